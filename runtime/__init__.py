@@ -1,0 +1,1 @@
+"""Everything that runs in Kiln's pods: builder, engine cache, backends, server."""

@@ -1,0 +1,86 @@
+"""The one small interface every engine backend implements.
+
+Nothing above this module (builder, cache, server, batcher, operator) may know which
+backend is in use. A backend turns ONNX bytes into engine bytes, loads engine bytes,
+and gives out execution contexts that run one batch at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+# Open Inference Protocol (v2) datatype names <-> numpy dtypes.
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "INT8": np.dtype(np.int8),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+
+
+class BackendError(Exception):
+    """A failure inside the backend (build or execution), with a message for people."""
+
+
+class UnsupportedError(BackendError):
+    """The request cannot work with this backend (for example an unsupported precision)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # a key of DATATYPES
+    shape: tuple[int, ...]  # -1 for a dynamic dimension; dimension 0 is the batch when dynamic
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """One input's optimization-profile range (TensorRT's min/opt/max)."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    precision: str = "fp32"  # fp32, fp16, bf16, int8, fp8
+    profiles: Mapping[str, ShapeRange] = field(default_factory=dict)
+    workspace_mib: int | None = None
+    builder_flags: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ExecutionContext(Protocol):
+    """Runs one batch at a time; used from one worker thread at a time."""
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+class LoadedEngine(Protocol):
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    profiles: Mapping[str, ShapeRange]  # empty when the engine has static shapes
+
+    def create_context(self) -> ExecutionContext: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str  # "tensorrt" | "onnxruntime"
+    engine_filename: str  # file name inside a cache entry, e.g. "engine.plan"
+
+    def version(self) -> str: ...
+
+    def build(self, onnx_model: bytes, options: BuildOptions) -> bytes: ...
+
+    def load(self, engine: bytes, profiles: Mapping[str, ShapeRange]) -> LoadedEngine: ...
