@@ -45,7 +45,7 @@ demo: install
 	$(BIN)/python -m kiln.runtime.demo
 
 bench: install
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TOOLS) build *.egg-info .kiln
