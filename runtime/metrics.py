@@ -19,7 +19,7 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter(
             "kiln_requests", "Inference requests by outcome "
-            "(success, bad_request, overloaded, error, cancelled).",
+            "(success, bad_request, overloaded, unavailable, error, cancelled).",
             ["model", "outcome"], registry=r)
         self.request_seconds = Histogram(
             "kiln_request_duration_seconds", "Inference request latency, receipt to response.",
@@ -39,6 +39,10 @@ class ServerMetrics:
         self.context_recreations = Counter(
             "kiln_context_recreations", "Execution contexts recreated after a failure.",
             ["model"], registry=r)
+        self.context_recovery_seconds = Histogram(
+            "kiln_context_recovery_seconds", "From a failed execution to its successful retry "
+            "on a recreated context (no engine reload).", ["model"], buckets=LATENCY_BUCKETS,
+            registry=r)
         self.inflight = Gauge(
             "kiln_inflight_requests", "Requests accepted and not yet answered.",
             ["model"], registry=r)

@@ -33,6 +33,14 @@ class UnsupportedError(BackendError):
     """The request cannot work with this backend (for example an unsupported precision)."""
 
 
+class InvalidModelError(BackendError):
+    """The ONNX model is malformed or cannot be parsed by the backend."""
+
+
+class InvalidProfileError(BackendError):
+    """The shape profiles do not fit the model's inputs (unknown input, rank, min > max)."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

@@ -32,7 +32,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            # One subcommand missing from an image (or a checkout) must not break the others.
+            sp = sub.add_parser(name, help=f"(unavailable here: {e})", add_help=False)
+            sp.add_argument("rest", nargs=argparse.REMAINDER)
+            sp.set_defaults(_module=None, _import_error=f"kiln {name} is unavailable here: {e}")
+            continue
         sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0],
                             description=(mod.__doc__ or "").strip())
         mod.configure(sp)
@@ -42,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args._module is None:
+        print(args._import_error, file=sys.stderr)
+        return 1
     return int(args._module.run(args) or 0)
 
 

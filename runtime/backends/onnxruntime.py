@@ -1,0 +1,205 @@
+"""The embedded backend: ONNX Runtime on the CPU (a laptop, CI, a CPU node).
+
+Build validates the ONNX model and writes ONNX Runtime's offline-optimized graph (the
+"engine", `engine.onnx`), so pods skip graph optimization at load. fp16 converts the
+weights with ONNX Runtime's own float16 tool, inputs and outputs kept fp32; int8, fp8
+and bf16 need a GPU backend or a model quantized beforehand, and are refused clearly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from kiln.runtime.backends.base import (BackendError, BuildOptions, InvalidModelError,
+                                        ShapeRange, TensorSpec, UnsupportedError)
+from kiln.runtime.backends.shapes import validate_profiles
+
+THREADS_ENV = "KILN_ORT_INTRA_OP_THREADS"
+
+# ONNX Runtime's type strings -> Open Inference Protocol datatypes.
+ORT_DATATYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(int8)": "INT8",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+}
+
+# Offline optimization stops at "extended": "all" adds layout changes tied to the CPU
+# that built the model, and an engine must load on any CPU node.
+OPTIMIZATION_LEVELS = ("disabled", "basic", "extended")
+KNOWN_FLAGS = {"graphOptimizationLevel": OPTIMIZATION_LEVELS}
+
+
+def _dims(shape: list[Any]) -> tuple[int, ...]:
+    # ORT reports symbolic or unknown dimensions as strings or None.
+    return tuple(d if isinstance(d, int) and d >= 0 else -1 for d in shape)
+
+
+def _onnx_input_shapes(model) -> dict[str, tuple[int, ...]]:
+    initializers = {i.name for i in model.graph.initializer}
+    shapes = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
+    return shapes
+
+
+def _session_options(ort, threads: int | None):
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+    return so
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+    engine_filename = "engine.onnx"
+
+    def __init__(self, intra_op_threads: int | None = None):
+        if intra_op_threads is None and os.environ.get(THREADS_ENV):
+            raw = os.environ[THREADS_ENV]
+            if not raw.isdigit():
+                raise BackendError(f"{THREADS_ENV} must be a non-negative integer, got {raw!r}")
+            intra_op_threads = int(raw)
+        if intra_op_threads is not None and intra_op_threads < 0:
+            raise BackendError(f"intra-op threads must be >= 0, got {intra_op_threads}")
+        self.intra_op_threads = intra_op_threads or None  # 0: ONNX Runtime's default
+
+    def version(self) -> str:
+        import onnxruntime as ort
+        return ort.__version__
+
+    def build(self, onnx_model: bytes, options: BuildOptions) -> bytes:
+        import onnx
+        import onnxruntime as ort
+
+        unknown = sorted(set(options.builder_flags) - set(KNOWN_FLAGS))
+        if unknown:
+            known = ", ".join(f"{k} ({' | '.join(v)})" for k, v in KNOWN_FLAGS.items())
+            raise UnsupportedError(f"builder flag(s) {unknown} mean nothing to the onnxruntime "
+                                   f"backend; it knows: {known}")
+        level_name = str(options.builder_flags.get("graphOptimizationLevel", "extended"))
+        if level_name not in OPTIMIZATION_LEVELS:
+            raise UnsupportedError(f"graphOptimizationLevel {level_name!r}: use one of "
+                                   f"{', '.join(OPTIMIZATION_LEVELS)}")
+        if options.precision not in ("fp32", "fp16"):
+            raise UnsupportedError(
+                f"precision {options.precision!r} is not supported by the onnxruntime backend "
+                f"(fp32 and fp16 are); use backend 'tensorrt' on a GPU, or quantize the ONNX "
+                f"model beforehand and build it with precision fp32")
+        try:
+            model = onnx.load_from_string(bytes(onnx_model))
+        except Exception as e:  # protobuf's DecodeError and friends
+            raise InvalidModelError(f"not an ONNX model: {type(e).__name__}: {e}") from None
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as e:
+            raise InvalidModelError(f"the ONNX model is invalid: {e}") from None
+        validate_profiles(_onnx_input_shapes(model), options.profiles, require_dynamic=False)
+        if options.precision == "fp16":
+            model = _to_fp16(model)
+
+        level = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                 "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                 "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}[level_name]
+        with tempfile.TemporaryDirectory(prefix="kiln-ort-build-") as tmp:
+            out = Path(tmp) / self.engine_filename
+            so = _session_options(ort, self.intra_op_threads)
+            so.graph_optimization_level = level
+            so.optimized_model_filepath = str(out)
+            try:
+                ort.InferenceSession(model.SerializeToString(), so,
+                                     providers=["CPUExecutionProvider"])
+            except Exception as e:  # ORT raises its own exception types per status code
+                if options.precision == "fp16":
+                    raise UnsupportedError(
+                        f"ONNX Runtime's CPU provider cannot run this model in fp16: {e}; "
+                        f"use precision fp32 with the onnxruntime backend") from None
+                raise InvalidModelError(f"ONNX Runtime cannot load the model: {e}") from None
+            return out.read_bytes()
+
+    def load(self, engine: bytes, profiles: Mapping[str, ShapeRange]) -> "OrtEngine":
+        import onnxruntime as ort
+
+        so = _session_options(ort, self.intra_op_threads)
+        # The engine was optimized at build time; do not spend the load doing it again.
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            session = ort.InferenceSession(bytes(engine), so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise BackendError(f"ONNX Runtime cannot load the engine: {e}") from None
+        return OrtEngine(session, dict(profiles))
+
+
+def _to_fp16(model):
+    try:
+        # Maintained with ONNX Runtime itself (onnxruntime.transformers).
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+    except ImportError:
+        raise UnsupportedError(
+            "precision fp16 needs onnxruntime.transformers.float16, which this ONNX Runtime "
+            "installation lacks; use precision fp32") from None
+    return convert_float_to_float16(model, keep_io_types=True)
+
+
+def _spec(arg) -> TensorSpec:
+    datatype = ORT_DATATYPES.get(arg.type)
+    if datatype is None:
+        raise UnsupportedError(f"tensor {arg.name!r} has type {arg.type}, which the Open "
+                               f"Inference Protocol datatypes here do not cover")
+    return TensorSpec(name=arg.name, datatype=datatype, shape=_dims(arg.shape))
+
+
+class OrtEngine:
+    def __init__(self, session, profiles: dict[str, ShapeRange]):
+        self.session = session
+        self.inputs = [_spec(a) for a in session.get_inputs()]
+        self.outputs = [_spec(a) for a in session.get_outputs()]
+        self.profiles = profiles
+        self._output_names = [o.name for o in self.outputs]
+
+    def create_context(self) -> "OrtContext":
+        if self.session is None:
+            raise BackendError("the engine is closed")
+        return OrtContext(self)
+
+    def close(self) -> None:
+        self.session = None
+
+
+class OrtContext:
+    """A cheap handle: ONNX Runtime sessions are safe to run from several threads."""
+
+    def __init__(self, engine: OrtEngine):
+        self._engine = engine
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        session = self._engine.session
+        if session is None:
+            raise BackendError("the engine is closed")
+        try:
+            results = session.run(self._engine._output_names, dict(inputs))
+        except Exception as e:
+            raise BackendError(f"ONNX Runtime failed to run the batch: {e}") from None
+        return dict(zip(self._engine._output_names, results))
+
+    def close(self) -> None:
+        self._engine = _CLOSED
+
+
+class _Closed:
+    session = None
+
+
+_CLOSED: Any = _Closed()

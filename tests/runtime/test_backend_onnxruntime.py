@@ -1,0 +1,99 @@
+"""The onnxruntime backend on real ONNX models: build, load, run, and clear refusals."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.runtime.backends import get_backend
+from kiln.runtime.backends.base import (BuildOptions, InvalidModelError, InvalidProfileError,
+                                        ShapeRange, TensorSpec, UnsupportedError)
+
+
+def mlp(seed=0) -> bytes:
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((8, 16)).astype(np.float32)
+    w2 = rng.standard_normal((16, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["y"])],
+        "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+PROFILE = {"x": ShapeRange((1, 8), (4, 8), (16, 8))}
+
+
+def reference(model: bytes, x):
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_build_load_run_matches_onnxruntime():
+    backend = get_backend("onnxruntime")
+    assert backend.engine_filename == "engine.onnx" and backend.version() == ort.__version__
+    model = mlp()
+    engine = backend.build(model, BuildOptions(precision="fp32", profiles=PROFILE))
+    loaded = backend.load(engine, PROFILE)
+    assert loaded.inputs == [TensorSpec("x", "FP32", (-1, 8))]
+    assert loaded.outputs == [TensorSpec("y", "FP32", (-1, 4))]
+    assert loaded.profiles == PROFILE
+    x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
+    ctx = loaded.create_context()
+    np.testing.assert_allclose(ctx.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+    ctx.close()
+    again = loaded.create_context()  # recreating a context after a failure must work
+    np.testing.assert_allclose(again.run({"x": x})["y"], reference(model, x), rtol=1e-5, atol=1e-5)
+    loaded.close()
+
+
+def test_fp16_build_keeps_fp32_io_and_close_results():
+    model = mlp()
+    backend = get_backend("onnxruntime")
+    loaded = backend.load(backend.build(model, BuildOptions(precision="fp16")), {})
+    assert loaded.inputs[0].datatype == "FP32"
+    x = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(loaded.create_context().run({"x": x})["y"], reference(model, x),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8", "bf16"])
+def test_unsupported_precisions_are_refused(precision):
+    with pytest.raises(UnsupportedError, match=f"precision '{precision}' is not supported"):
+        get_backend("onnxruntime").build(mlp(), BuildOptions(precision=precision))
+
+
+def test_invalid_models_profiles_and_flags():
+    backend = get_backend("onnxruntime")
+    with pytest.raises(InvalidModelError, match="not an ONNX model"):
+        backend.build(b"\x00\x01 this is not protobuf", BuildOptions())
+    with pytest.raises(InvalidProfileError, match="model's inputs are: x"):
+        backend.build(mlp(), BuildOptions(profiles={"images": ShapeRange((1,), (1,), (1,))}))
+    with pytest.raises(InvalidProfileError, match="fixed at 8"):
+        backend.build(mlp(), BuildOptions(profiles={"x": ShapeRange((1, 4), (1, 4), (1, 4))}))
+    with pytest.raises(UnsupportedError, match="graphOptimizationLevel"):
+        backend.build(mlp(), BuildOptions(builder_flags={"tf32": True}))
+    with pytest.raises(UnsupportedError, match="unknown backend 'triton'"):
+        get_backend("triton")
+
+
+def test_run_errors_are_backend_errors():
+    backend = get_backend("onnxruntime")
+    loaded = backend.load(backend.build(mlp(), BuildOptions()), {})
+    from kiln.runtime.backends.base import BackendError
+    with pytest.raises(BackendError, match="failed to run"):
+        loaded.create_context().run({"x": np.zeros((2, 3), np.float32)})
+
+
+def test_intra_op_threads_from_the_environment(monkeypatch):
+    from kiln.runtime.backends.base import BackendError
+    from kiln.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    monkeypatch.setenv("KILN_ORT_INTRA_OP_THREADS", "1")
+    assert OnnxRuntimeBackend().intra_op_threads == 1
+    monkeypatch.setenv("KILN_ORT_INTRA_OP_THREADS", "many")
+    with pytest.raises(BackendError, match="KILN_ORT_INTRA_OP_THREADS"):
+        OnnxRuntimeBackend()

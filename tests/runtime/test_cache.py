@@ -1,0 +1,162 @@
+"""The engine cache: atomic publish under races and crashes, verified reads, safe GC."""
+
+import json
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from kiln.runtime import cache, enginekey
+
+NS, MODEL = "ml", "resnet"
+
+
+def inputs(version="1", precision="fp32"):
+    return enginekey.key_inputs({"uri": "pvc://models/r.onnx", "version": version},
+                                {"backend": "onnxruntime", "precision": precision},
+                                "cpu", "1.32.0")
+
+
+def publish(root, engine=b"engine-bytes" * 1000, version="1", clock=time.time):
+    ki = inputs(version)
+    return cache.publish(root, NS, MODEL, ki.key, engine, engine_file="engine.onnx",
+                         inputs=ki.to_dict(), backend="onnxruntime", backend_version="1.32.0",
+                         target="cpu", build_seconds=1.25, clock=clock)
+
+
+def test_publish_then_lookup_and_read(tmp_path):
+    engine = os.urandom(3 << 20)
+    m = publish(tmp_path, engine)
+    entry = cache.entry_dir(tmp_path, NS, MODEL, m.key)
+    assert sorted(p.name for p in entry.iterdir()) == ["engine.onnx", "manifest.json"]
+    on_disk = json.loads((entry / "manifest.json").read_text())
+    assert on_disk["sha256"] == m.sha256 and on_disk["sizeBytes"] == len(engine)
+    assert on_disk["inputs"] == inputs().to_dict() and on_disk["backendVersion"] == "1.32.0"
+    assert cache.lookup(tmp_path, NS, MODEL, m.key) == m
+    assert cache.relative_path(NS, MODEL, m.key) == f"ml/resnet/{m.key}"
+    data, manifest, timings = cache.read_verified(entry, chunk_bytes=1 << 20)
+    assert bytes(data) == engine and manifest == m
+    assert timings.read_seconds >= 0 and timings.verify_seconds >= 0
+    data2, _, _ = cache.read_unverified(entry)
+    assert bytes(data2) == engine
+
+
+def test_manifest_round_trip_and_profiles():
+    ki = enginekey.key_inputs(
+        {"uri": "x", "version": "1"},
+        {"backend": "tensorrt", "precision": "fp16",
+         "profiles": [{"input": "x", "min": [1, 4], "opt": [8, 4], "max": [32, 4]}]},
+        "sm90", "10.13")
+    m = cache.Manifest(key=ki.key, inputs=ki.to_dict(), engine_file="engine.plan", sha256="a" * 64,
+                       size_bytes=10, backend="tensorrt", backend_version="10.13", target="sm90",
+                       build_seconds=3.0, built_at="2026-01-01T00:00:00Z")
+    assert cache.Manifest.from_json(m.to_json()) == m
+    profile = m.profiles()["x"]
+    assert (profile.min, profile.opt, profile.max) == ((1, 4), (8, 4), (32, 4))
+    with pytest.raises(cache.CacheError, match="invalid manifest"):
+        cache.Manifest.from_json('{"key": "k"}')
+
+
+def test_bad_names_are_refused(tmp_path):
+    for bad in ("..", "a/b", ".tmp-x", ""):
+        with pytest.raises(ValueError, match="invalid"):
+            cache.entry_dir(tmp_path, NS, bad, "k")
+    with pytest.raises(ValueError, match="hash to"):
+        cache.publish(tmp_path, NS, MODEL, "0" * 20, b"x", engine_file="engine.onnx",
+                      inputs=inputs().to_dict(), backend="onnxruntime", backend_version="1",
+                      target="cpu", build_seconds=0)
+
+
+def _racer(root, seed, barrier, results):
+    barrier.wait()
+    m = publish(root, engine=bytes([seed]) * (4 << 20))
+    results.put(m.to_json())
+
+
+def test_two_processes_publish_the_same_key(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_racer, args=(tmp_path, seed, barrier, results)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    seen = [cache.Manifest.from_json(results.get(timeout=30)) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    # Both builders end with the one published entry (the winner's engine).
+    assert seen[0] == seen[1]
+    model_dir = tmp_path / NS / MODEL
+    assert [p.name for p in model_dir.iterdir()] == [seen[0].key]
+    data, manifest, _ = cache.read_verified(model_dir / seen[0].key)
+    assert manifest == seen[0] and len(set(bytes(data))) == 1
+
+
+def test_publish_keeps_an_existing_entry(tmp_path):
+    first = publish(tmp_path, b"first")
+    second = publish(tmp_path, b"second")
+    assert second == first
+    data, _, _ = cache.read_verified(cache.entry_dir(tmp_path, NS, MODEL, first.key))
+    assert bytes(data) == b"first"
+
+
+def test_crashed_writer_leaves_debris_that_lookup_ignores_and_gc_removes(tmp_path):
+    key = inputs().key
+    debris = tmp_path / NS / MODEL / f".tmp-{key}-crash"
+    debris.mkdir(parents=True)
+    (debris / "engine.onnx").write_bytes(b"half an eng")
+    assert cache.lookup(tmp_path, NS, MODEL, key) is None
+    mtime = debris.stat().st_mtime
+    # A publish in progress (young temporary) is left alone...
+    assert cache.collect_garbage(tmp_path, set(), 0, now=mtime + 60) == []
+    assert debris.exists()
+    # ...one older than the bound is a crashed writer's and goes.
+    assert cache.collect_garbage(tmp_path, set(), 0, now=mtime + cache.STALE_TEMP_SECONDS + 1) == [debris]
+    assert not debris.exists()
+    m = publish(tmp_path)  # and the key can still be published
+    assert cache.lookup(tmp_path, NS, MODEL, key) == m
+
+
+def test_tampered_engine_is_refused_naming_file_and_digests(tmp_path):
+    m = publish(tmp_path, os.urandom(1 << 20))
+    entry = cache.entry_dir(tmp_path, NS, MODEL, m.key)
+    engine = entry / "engine.onnx"
+    data = bytearray(engine.read_bytes())
+    data[12345] ^= 0xFF
+    engine.write_bytes(bytes(data))
+    import hashlib
+    actual = hashlib.sha256(data).hexdigest()
+    with pytest.raises(cache.CacheIntegrityError) as e:
+        cache.read_verified(entry)
+    message = str(e.value)
+    assert str(engine) in message and actual in message and m.sha256 in message
+
+
+def test_truncated_engine_is_refused_naming_file_and_sizes(tmp_path):
+    m = publish(tmp_path, os.urandom(1 << 20))
+    entry = cache.entry_dir(tmp_path, NS, MODEL, m.key)
+    engine = entry / "engine.onnx"
+    engine.write_bytes(engine.read_bytes()[:1000])
+    with pytest.raises(cache.CacheIntegrityError) as e:
+        cache.read_verified(entry)
+    assert str(engine) in str(e.value) and "1000 bytes" in str(e.value)
+    assert f"{1 << 20} bytes" in str(e.value)
+    with pytest.raises(cache.CacheIntegrityError, match="size 1000 bytes"):
+        cache.lookup(tmp_path, NS, MODEL, m.key)
+
+
+def test_gc_keeps_in_use_and_retention_removes_the_rest(tmp_path):
+    t0 = 1_800_000_000.0
+    keys = [publish(tmp_path, version=str(v), clock=lambda v=v: t0 + 3600 * v).key
+            for v in range(5)]  # keys[4] is the newest
+    in_use = {keys[0]}  # the oldest, e.g. the stable version during a canary
+    removed = cache.collect_garbage(tmp_path, in_use, retention=1, now=t0 + 86400)
+    left = {p.name for p in (tmp_path / NS / MODEL).iterdir()}
+    assert left == {keys[0], keys[4]}
+    assert sorted(p.name for p in removed) == sorted(keys[1:4])
+    # In-use given as (namespace, model, key) protects just as well, even with retention 0.
+    removed = cache.collect_garbage(tmp_path, {(NS, MODEL, keys[0])}, retention=0)
+    assert [p.name for p in removed] == [keys[4]]
+    assert cache.lookup(tmp_path, NS, MODEL, keys[0]) is not None
+    with pytest.raises(ValueError):
+        cache.collect_garbage(tmp_path, set(), retention=-1)
