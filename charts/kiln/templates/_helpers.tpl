@@ -1,0 +1,95 @@
+{{/* The chart name. */}}
+{{- define "kiln.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The full name: <release>-kiln, or the release name when it already contains the chart name. */}}
+{{- define "kiln.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels on every object, without a component. */}}
+{{- define "kiln.commonLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "kiln.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kiln
+{{- end -}}
+
+{{/* Labels of the operator's objects. */}}
+{{- define "kiln.labels" -}}
+{{ include "kiln.commonLabels" . }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* Labels that select the operator pod. */}}
+{{- define "kiln.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kiln.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* The operator's ServiceAccount. */}}
+{{- define "kiln.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kiln.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces watched in namespaced mode (the release namespace when none are listed). */}}
+{{- define "kiln.watchedNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- toJson .Values.watch.namespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* RBAC rules for namespaced resources: exactly what the operator calls. */}}
+{{- define "kiln.namespacedRules" -}}
+- apiGroups: [kiln.dev]
+  resources: [inferencemodels]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [kiln.dev]
+  resources: [inferencemodels/status, inferencemodels/scale]
+  verbs: [get, patch, update]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch, update]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- if .Values.rbac.gatewayAPI }}
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,363 @@
+"""The InferenceModel API in Python: the CRD, defaulting and validation as the API server does them.
+
+The CRD (`crds/inferencemodels.kiln.dev.yaml`, shipped in the wheel as `kiln.crds`) is the
+one source of truth; nothing here restates its fields.
+
+- `load_crd()`, `schema()`: the CRD and its v1alpha1 `openAPIV3Schema`.
+- `load_manifest(path)`: the InferenceModel document of a YAML file.
+- `apply_defaults(obj)`: structural defaulting, as the API server applies the schema's
+  `default`s. Takes a whole InferenceModel (a dict with any of apiVersion, kind, metadata,
+  spec, status) or just its spec (the operator calls it on `body.spec`, so it works against
+  an emulated API server that does not default). Returns a new dict.
+- `validate(obj)`: what `kubectl apply` would be told, as a list of messages formatted like
+  the API server's (`spec.autoscaling: Invalid value: "object": minReplicas must be <=
+  maxReplicas`); empty when the object is accepted. Same object-or-spec rule as above.
+
+Pure Python with PyYAML and jsonschema; cel-python is imported only when a CEL rule runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.resources
+import json
+from pathlib import Path
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import yaml
+
+GROUP = "kiln.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceModel"
+PLURAL = "inferencemodels"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_FILE = f"{CRD_NAME}.yaml"
+
+_OBJECT_KEYS = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
+
+
+# ---------------------------------------------------------------------------- loading
+
+@functools.lru_cache(maxsize=1)
+def _crd_text() -> str:
+    return importlib.resources.files("kiln.crds").joinpath(CRD_FILE).read_text(encoding="utf-8")
+
+
+def load_crd() -> dict:
+    """The CustomResourceDefinition, parsed from the copy inside the installed package."""
+    return yaml.safe_load(_crd_text())
+
+
+@functools.lru_cache(maxsize=4)
+def _schema(version: str) -> dict:
+    for v in load_crd()["spec"]["versions"]:
+        if v["name"] == version:
+            return v["schema"]["openAPIV3Schema"]
+    raise KeyError(f"{CRD_NAME} has no version {version!r}")
+
+
+def schema(version: str = VERSION) -> dict:
+    """The `openAPIV3Schema` of one served version (a fresh copy; callers may change it)."""
+    return copy.deepcopy(_schema(version))
+
+
+def load_manifest(path: str | Path) -> dict:
+    """The one InferenceModel document in a YAML file (other kinds in the file are skipped).
+
+    Raises ValueError when the file holds no InferenceModel or more than one.
+    """
+    with open(path, encoding="utf-8") as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    found = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(found) != 1:
+        raise ValueError(f"{path}: expected one {KIND} document, found {len(found)}")
+    return found[0]
+
+
+def _plain(obj: Mapping) -> dict:
+    """A deep plain-dict copy (kopf hands handlers Mapping views such as `kopf.Spec`)."""
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"expected a mapping, got {type(obj).__name__}")
+    return copy.deepcopy(dict(obj))
+
+
+def _split(obj: dict) -> tuple[dict, str]:
+    """(schema node, path prefix) for a whole object or a bare spec."""
+    root = _schema(VERSION)
+    if _OBJECT_KEYS & obj.keys():
+        return root, ""
+    return root["properties"]["spec"], "spec"
+
+
+# ---------------------------------------------------------------------------- defaulting
+
+def apply_defaults(obj: Mapping) -> dict:
+    """A copy of `obj` with every absent (or null) property that has a schema default set.
+
+    Like the API server's structural defaulting: a defaulted object is itself defaulted
+    (so `autoscaling: {}` gains minReplicas, maxReplicas, ...), array items and map values
+    are defaulted with their item schema, unknown fields are kept untouched. Idempotent.
+    """
+    value = _plain(obj)
+    node, _ = _split(value)
+    return _default(value, node)
+
+
+def _default(value: Any, node: dict) -> Any:
+    if isinstance(value, dict):
+        props = node.get("properties")
+        if props:
+            for name, sub in props.items():
+                if value.get(name) is None and "default" in sub and not sub.get("nullable"):
+                    value[name] = copy.deepcopy(sub["default"])
+                if name in value:
+                    value[name] = _default(value[name], sub)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            for k in list(value):
+                if not props or k not in props:
+                    value[k] = _default(value[k], extra)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [_default(v, node["items"]) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------- validation
+
+def validate(obj: Mapping) -> list[str]:
+    """The API server's answer to `obj`: one message per problem, none when accepted.
+
+    Defaults are applied first (the API server defaults before it validates). Checks, in
+    order: unknown fields (kubectl's strict field validation), the OpenAPI schema
+    (jsonschema; `x-kubernetes-*` keys are not jsonschema's), `x-kubernetes-list-type`
+    set/map duplicates, and every `x-kubernetes-validations` CEL rule at its node, with
+    `self` bound to that node. Transition rules (those using `oldSelf`) are skipped: there
+    is no old object here.
+    """
+    plain = _plain(obj)
+    node, prefix = _split(plain)
+    errors = [f'unknown field "{p}"' for p in _unknown_fields(plain, node, prefix)]
+    value = apply_defaults(plain)
+    errors += _schema_errors(value, node, prefix)
+    errors += _walk_k8s(value, node, prefix)
+    return errors
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _path(prefix: str, node: dict | None, parts) -> str:
+    """Field path as the API server prints it: `a.b[0]`, map keys as `labels[kiln.dev/role]`."""
+    path = prefix
+    for part in parts:
+        props = (node or {}).get("properties", {})
+        if isinstance(part, int):
+            path, node = _join(path, part), (node or {}).get("items")
+        elif part in props:
+            path, node = _join(path, part), props[part]
+        else:
+            path, node = f"{path}[{part}]", (node or {}).get("additionalProperties")
+            node = node if isinstance(node, dict) else None
+    return path
+
+
+def _go(value: Any) -> str:
+    """A value as Go's %v/%q would show it in a field error."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(_json_type(value))
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _unknown_fields(value: Any, node: dict, path: str) -> Iterator[str]:
+    if node.get("x-kubernetes-preserve-unknown-fields") or path == "metadata":
+        return
+    if isinstance(value, dict) and node.get("type") == "object":
+        props = node.get("properties", {})
+        extra = node.get("additionalProperties")
+        for k, v in value.items():
+            if k in props:
+                yield from _unknown_fields(v, props[k], _join(path, k))
+            elif isinstance(extra, dict):
+                yield from _unknown_fields(v, extra, f"{path}[{k}]")
+            elif extra is not True:
+                yield _join(path, k)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for i, v in enumerate(value):
+            yield from _unknown_fields(v, node["items"], _join(path, i))
+
+
+@functools.lru_cache(maxsize=4)
+def _validator(prefix: str):
+    import jsonschema
+
+    root = _schema(VERSION)
+    return jsonschema.Draft202012Validator(root if prefix == "" else root["properties"]["spec"])
+
+
+def _schema_errors(value: dict, node: dict, prefix: str) -> list[str]:
+    out: list[str] = []
+    for err in _validator(prefix).iter_errors(value):
+        path = _path(prefix, node, err.absolute_path)
+        for msg in _translate(err, path):
+            if msg not in out:
+                out.append(msg)
+    return out
+
+
+def _translate(err, path: str) -> Iterator[str]:
+    kw, want, got = err.validator, err.validator_value, err.instance
+    where = path or "<nil>"
+    if kw == "required":
+        for name in want:
+            if isinstance(got, dict) and name not in got:
+                yield f"{_join(path, name)}: Required value"
+    elif kw == "type":
+        yield (f"{where}: Invalid value: {json.dumps(_json_type(got))}: {where} in body must "
+               f"be of type {want}: {json.dumps(_json_type(got))}")
+    elif kw == "enum":
+        supported = ", ".join(json.dumps(v) for v in want)
+        yield f"{where}: Unsupported value: {_go(got)}: supported values: {supported}"
+    elif kw == "pattern":
+        yield f"{where}: Invalid value: {_go(got)}: {where} in body should match '{want}'"
+    elif kw == "minimum":
+        yield (f"{where}: Invalid value: {_go(got)}: {where} in body should be greater than "
+               f"or equal to {want}")
+    elif kw == "maximum":
+        yield (f"{where}: Invalid value: {_go(got)}: {where} in body should be less than or "
+               f"equal to {want}")
+    elif kw == "minLength":
+        yield f"{where}: Invalid value: {_go(got)}: {where} in body should be at least {want} chars long"
+    elif kw == "maxLength":
+        yield f"{where}: Too long: may not be longer than {want}"
+    elif kw == "minItems":
+        yield f"{where}: Invalid value: {len(got)}: {where} in body should have at least {want} items"
+    elif kw == "maxItems":
+        yield f"{where}: Too many: {len(got)}: must have at most {want} items"
+    elif kw == "maxProperties":
+        yield f"{where}: Too many: {len(got)}: must have at most {want} items"
+    elif kw == "anyOf" and all("type" in s for s in want):
+        types = ",".join(s["type"] for s in want)
+        yield (f"{where}: Invalid value: {json.dumps(_json_type(got))}: {where} in body must "
+               f"be of type {types}: {json.dumps(_json_type(got))}")
+    else:
+        yield f"{where}: Invalid value: {_go(got)}: {err.message}"
+
+
+def _walk_k8s(value: Any, node: dict, path: str) -> Iterator[str]:
+    """List-type duplicates and CEL rules, depth-first like the API server."""
+    if value is None:
+        return
+    rules = node.get("x-kubernetes-validations") or []
+    for rule in rules:
+        if "oldSelf" in rule["rule"]:
+            continue
+        msg = _run_rule(rule, value, node)
+        if msg is not None:
+            yield f"{path or '<nil>'}: Invalid value: {json.dumps(node.get('type', 'object'))}: {msg}"
+    if isinstance(value, dict):
+        props = node.get("properties", {})
+        extra = node.get("additionalProperties")
+        for k, v in value.items():
+            if k in props:
+                yield from _walk_k8s(v, props[k], _join(path, k))
+            elif isinstance(extra, dict):
+                yield from _walk_k8s(v, extra, f"{path}[{k}]")
+    elif isinstance(value, list):
+        yield from _duplicates(value, node, path)
+        items = node.get("items")
+        if isinstance(items, dict):
+            for i, v in enumerate(value):
+                yield from _walk_k8s(v, items, _join(path, i))
+
+
+def _duplicates(value: list, node: dict, path: str) -> Iterator[str]:
+    kind = node.get("x-kubernetes-list-type")
+    if kind not in ("set", "map"):
+        return
+    keys = node.get("x-kubernetes-list-map-keys", [])
+    seen: list[Any] = []
+    for i, item in enumerate(value):
+        ident = item if kind == "set" else tuple(
+            (k, item.get(k)) for k in keys if isinstance(item, dict))
+        if ident in seen:
+            shown = _go(item) if kind == "set" else "{" + ", ".join(
+                f"{json.dumps(k)}: {_go(v)}" for k, v in ident) + "}"
+            yield f"{_join(path, i)}: Duplicate value: {shown}"
+        else:
+            seen.append(ident)
+
+
+# ---------------------------------------------------------------------------- CEL
+
+@functools.lru_cache(maxsize=256)
+def _program(rule: str):
+    import celpy
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def _run_rule(rule: dict, value: Any, node: dict) -> str | None:
+    """None when the rule holds, else the message the API server would give."""
+    import celpy
+
+    expr = rule["rule"]
+    message = rule.get("message") or f"failed rule: {expr}"
+    try:
+        result = _program(expr).evaluate({"self": _to_cel(value, node)})
+    except celpy.CELEvalError as e:
+        return f"{e.args[0] if e.args else e} evaluating rule: {expr}"
+    if isinstance(result, celpy.CELEvalError):
+        return f"{result.args[0] if result.args else result} evaluating rule: {expr}"
+    return None if bool(result) else message
+
+
+def _to_cel(value: Any, node: dict | None):
+    """A JSON value as CEL sees it through its schema (numbers in a `number` field are doubles)."""
+    from celpy import celtypes
+    from celpy.adapter import json_to_cel
+
+    node = node or {}
+    if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
+        return json_to_cel(value)
+    if isinstance(value, dict):
+        props = node.get("properties", {})
+        extra = node.get("additionalProperties")
+        return celtypes.MapType({
+            celtypes.StringType(k): _to_cel(
+                v, props.get(k) if k in props else (extra if isinstance(extra, dict) else None))
+            for k, v in value.items()})
+    if isinstance(value, list):
+        return celtypes.ListType([_to_cel(v, node.get("items")) for v in value])
+    if node.get("type") == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return celtypes.DoubleType(float(value))
+    return json_to_cel(value)
+
