@@ -1,0 +1,378 @@
+"""Open Inference Protocol (v2) tensors: decode requests, check them, encode responses.
+
+Pure functions over bytes, dicts and numpy arrays, no I/O: the server's endpoints call
+them, and they are tested without a socket. Both encodings are handled:
+
+- JSON tensors: `{"id", "parameters", "inputs": [{"name", "shape", "datatype", "data"}],
+  "outputs": [{"name", "parameters"}]}`, `data` flat or nested in row-major order.
+- The binary tensor extension as Triton's clients send it: the request header
+  `Inference-Header-Content-Length: N`, the first N body bytes are the JSON header, then the
+  raw little-endian bytes of every input whose `parameters.binary_data_size` is set, in the
+  order the inputs are listed. Outputs are returned the same way when a requested output
+  has `parameters.binary_data: true` or the request has `parameters.binary_data_output: true`.
+
+Every rejection is a `ProtocolError` carrying the HTTP status and a message for people.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from kiln.runtime.backends.base import DATATYPES, ShapeRange, TensorSpec
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+BINARY_EXTENSION = "binary_tensor_data"
+
+_DTYPE_NAMES = {dt: name for name, dt in DATATYPES.items()}
+# Parameters of the v2 spec's other extensions that Kiln does not implement: refusing them
+# beats silently answering something else than what the client asked for.
+_UNSUPPORTED_PARAMETERS = {
+    "shared_memory_region": "the shared-memory extension is not supported; send the tensor "
+                            "in the body (JSON data or binary_data_size)",
+    "classification": "the classification extension is not supported; request the raw output",
+}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses, with the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def bad_request(message: str) -> ProtocolError:
+    return ProtocolError(400, message)
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    inputs: dict[str, np.ndarray]
+    outputs: list[RequestedOutput]  # in the order the response lists them
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        first = next(iter(self.inputs.values()), None)
+        return int(first.shape[0]) if first is not None and first.ndim else 1
+
+
+def datatype_of(array: np.ndarray) -> str:
+    try:
+        return _DTYPE_NAMES[array.dtype]
+    except KeyError:
+        raise ValueError(f"no v2 datatype for numpy dtype {array.dtype}") from None
+
+
+def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
+
+
+def header_length(value: str | None, body_size: int) -> int | None:
+    """The `Inference-Header-Content-Length` header -> the JSON header's byte count."""
+    if value is None:
+        return None
+    try:
+        n = int(value.strip())
+    except ValueError:
+        raise bad_request(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if n < 0 or n > body_size:
+        raise bad_request(f"{HEADER_LENGTH} is {n} but the body has {body_size} bytes")
+    return n
+
+
+def parse_infer_request(body: bytes, json_length: int | None,
+                        inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                        profiles: Mapping[str, ShapeRange] | None = None) -> InferRequest:
+    """Decode and check one inference request against the model's tensors.
+
+    `json_length` is the value of the Inference-Header-Content-Length header (None when the
+    whole body is JSON). Raises ProtocolError (400) naming what is wrong.
+    """
+    header_bytes = body if json_length is None else body[:json_length]
+    binary = memoryview(body)[len(header_bytes):]
+    try:
+        doc = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"malformed JSON in the request body: {e}") from None
+    if not isinstance(doc, dict):
+        raise bad_request("the request body must be a JSON object with an 'inputs' list")
+    parameters = _parameters(doc, "the request")
+    req_id = doc.get("id")
+    if req_id is not None and not isinstance(req_id, str):
+        raise bad_request("'id' must be a string")
+
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise bad_request("the request needs a non-empty 'inputs' list")
+    specs = {s.name: s for s in inputs}
+    arrays: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, raw in enumerate(raw_inputs):
+        if not isinstance(raw, dict):
+            raise bad_request(f"inputs[{i}] must be an object with name, shape, datatype, data")
+        name = raw.get("name")
+        if not isinstance(name, str):
+            raise bad_request(f"inputs[{i}] has no 'name'")
+        if name in arrays:
+            raise bad_request(f"input '{name}' is given twice")
+        spec = specs.get(name)
+        if spec is None:
+            raise bad_request(f"unknown input '{name}'; the model's inputs are: "
+                              f"{', '.join(specs)}")
+        arrays[name], used = _decode_input(raw, spec, binary[offset:])
+        offset += used
+    if offset != len(binary):
+        raise bad_request(f"the body has {len(binary) - offset} bytes after the JSON header "
+                          f"that no input's binary_data_size accounts for")
+    missing = [n for n in specs if n not in arrays]
+    if missing:
+        raise bad_request(f"missing input{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(repr(n) for n in missing)}; the model needs: "
+                          f"{', '.join(specs)}")
+    check_batch(arrays, inputs)
+    if profiles:
+        check_profiles(arrays, profiles)
+
+    default_binary = _flag(parameters, "binary_data_output", "the request")
+    return InferRequest(inputs=arrays, outputs=_requested_outputs(doc, outputs, default_binary),
+                        id=req_id, parameters=parameters)
+
+
+def _parameters(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+    params = obj.get("parameters", {})
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise bad_request(f"'parameters' of {where} must be an object")
+    for name, why in _UNSUPPORTED_PARAMETERS.items():
+        if name in params:
+            raise bad_request(f"{where}: {why}")
+    return params
+
+
+def _flag(params: Mapping[str, Any], name: str, where: str) -> bool:
+    value = params.get(name, False)
+    if not isinstance(value, bool):
+        raise bad_request(f"parameter '{name}' of {where} must be true or false")
+    return value
+
+
+def _requested_outputs(doc: Mapping[str, Any], outputs: Sequence[TensorSpec],
+                       default_binary: bool) -> list[RequestedOutput]:
+    raw = doc.get("outputs")
+    if raw is None:
+        return [RequestedOutput(s.name, default_binary) for s in outputs]
+    if not isinstance(raw, list):
+        raise bad_request("'outputs' must be a list of {name, parameters}")
+    known = {s.name for s in outputs}
+    chosen: list[RequestedOutput] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise bad_request(f"outputs[{i}] must be an object with a 'name'")
+        name = item["name"]
+        if name not in known:
+            raise bad_request(f"unknown output '{name}'; the model's outputs are: "
+                              f"{', '.join(s.name for s in outputs)}")
+        params = _parameters(item, f"output '{name}'")
+        binary = _flag(params, "binary_data", f"output '{name}'") if "binary_data" in params \
+            else default_binary
+        chosen.append(RequestedOutput(name, binary))
+    return chosen
+
+
+def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
+                  binary: memoryview) -> tuple[np.ndarray, int]:
+    """One request input -> (array, bytes of the binary section it used)."""
+    name = spec.name
+    datatype = raw.get("datatype")
+    if datatype == "BYTES":
+        raise bad_request(f"input '{name}': the BYTES datatype is not supported; "
+                          f"the model expects {spec.datatype}")
+    if datatype not in DATATYPES:
+        raise bad_request(f"input '{name}': unknown datatype {datatype!r}; one of "
+                          f"{', '.join(DATATYPES)}")
+    if datatype != spec.datatype:
+        raise bad_request(f"input '{name}' has datatype {datatype} but the model expects "
+                          f"{spec.datatype}")
+    shape = raw.get("shape")
+    if (not isinstance(shape, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+        raise bad_request(f"input '{name}': 'shape' must be a list of integers")
+    if any(d < 1 for d in shape):
+        raise bad_request(f"input '{name}': every dimension of shape {shape} must be positive")
+    check_shape(name, tuple(shape), spec.shape)
+    dtype = DATATYPES[datatype]
+    count = math.prod(shape)
+    params = _parameters(raw, f"input '{name}'")
+
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad_request(f"input '{name}': binary_data_size must be a non-negative integer")
+        if "data" in raw:
+            raise bad_request(f"input '{name}' has both 'data' and binary_data_size")
+        if size != count * dtype.itemsize:
+            raise bad_request(f"input '{name}': binary_data_size is {size} bytes but shape "
+                              f"{shape} of {datatype} needs {count * dtype.itemsize}")
+        if size > len(binary):
+            raise bad_request(f"input '{name}': binary_data_size is {size} bytes but only "
+                              f"{len(binary)} bytes of binary data remain in the body")
+        array = np.frombuffer(binary[:size], dtype=dtype.newbyteorder("<")).astype(dtype)
+        return array.reshape(shape), size
+
+    if "data" not in raw:
+        raise bad_request(f"input '{name}' has neither 'data' nor binary_data_size")
+    return _json_data(name, raw["data"], shape, datatype, dtype), 0
+
+
+def _json_data(name: str, data: Any, shape: list[int], datatype: str,
+               dtype: np.dtype) -> np.ndarray:
+    if not isinstance(data, list):
+        data = [data]
+    try:
+        source = np.array(data)
+    except ValueError:
+        raise bad_request(f"input '{name}': 'data' is a ragged nested list") from None
+    kind = source.dtype.kind
+    if source.size and kind not in "biuf":
+        raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype}")
+    if dtype.kind == "b" and source.size and kind != "b":
+        raise bad_request(f"input '{name}': BOOL data must be true or false")
+    if dtype.kind in "iu" and kind == "f":
+        raise bad_request(f"input '{name}': {datatype} data must be integers")
+    if source.size != math.prod(shape):
+        raise bad_request(f"input '{name}': shape {shape} needs {math.prod(shape)} elements "
+                          f"but 'data' has {source.size}")
+    if dtype.kind in "iu" and source.size:
+        info = np.iinfo(dtype)
+        if source.min() < info.min or source.max() > info.max:
+            raise bad_request(f"input '{name}': a value is out of range for {datatype}")
+    return source.astype(dtype).reshape(shape)
+
+
+def check_shape(name: str, shape: tuple[int, ...], model_shape: tuple[int, ...]) -> None:
+    """Rank and fixed dimensions must match; -1 in the model accepts any size."""
+    if len(shape) != len(model_shape):
+        raise bad_request(f"input '{name}' has shape {list(shape)} (rank {len(shape)}) but the "
+                          f"model expects rank {len(model_shape)}: {list(model_shape)}")
+    for i, (got, want) in enumerate(zip(shape, model_shape)):
+        if want >= 0 and got != want:
+            raise bad_request(f"input '{name}' has shape {list(shape)} but the model expects "
+                              f"{list(model_shape)} (dimension {i} must be {want})")
+
+
+def check_batch(arrays: Mapping[str, np.ndarray], specs: Sequence[TensorSpec]) -> None:
+    """Inputs whose dimension 0 is dynamic (the batch) must agree on it."""
+    sizes = {s.name: arrays[s.name].shape[0] for s in specs
+             if s.shape and s.shape[0] < 0 and s.name in arrays}
+    if len(set(sizes.values())) > 1:
+        detail = ", ".join(f"'{n}' has {b}" for n, b in sizes.items())
+        raise bad_request(f"inputs disagree on the batch dimension (dimension 0): {detail}")
+
+
+def check_profiles(arrays: Mapping[str, np.ndarray], profiles: Mapping[str, ShapeRange]) -> None:
+    """Dimensions after the batch must lie within the engine's optimization profile.
+
+    The batch dimension is the scheduler's to judge (it splits or refuses big batches).
+    """
+    for name, rng in profiles.items():
+        array = arrays.get(name)
+        if array is None or len(rng.min) != array.ndim:
+            continue
+        for i in range(1, array.ndim):
+            if not rng.min[i] <= array.shape[i] <= rng.max[i]:
+                raise bad_request(
+                    f"input '{name}' has shape {list(array.shape)} but the engine's profile "
+                    f"allows dimension {i} only from {rng.min[i]} to {rng.max[i]} "
+                    f"(min {list(rng.min)}, max {list(rng.max)})")
+
+
+def encode_infer_response(model_name: str, model_version: str, request: InferRequest,
+                          results: Mapping[str, np.ndarray]) -> tuple[bytes, int | None]:
+    """Results -> (body, JSON header length or None when the body is plain JSON)."""
+    outputs = []
+    chunks: list[bytes] = []
+    for out in request.outputs:
+        array = np.asarray(results[out.name])
+        entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(array),
+                                 "shape": list(array.shape)}
+        if out.binary:
+            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        outputs.append(entry)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version,
+                           "outputs": outputs}
+    if request.id is not None:
+        doc["id"] = request.id
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return header + b"".join(chunks), len(header)
+
+
+def decode_infer_response(body: bytes, json_length: int | None) -> dict[str, Any]:
+    """A response (JSON or binary) -> its JSON with every output's data as a numpy array.
+
+    What a client does; the demo and the tests read answers with it.
+    """
+    header = body if json_length is None else body[:json_length]
+    doc = json.loads(header)
+    offset = 0 if json_length is None else json_length
+    for out in doc.get("outputs", []):
+        dtype = DATATYPES[out["datatype"]]
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            out["data"] = np.frombuffer(body[offset:offset + size],
+                                        dtype=dtype.newbyteorder("<")).astype(dtype) \
+                .reshape(out["shape"])
+            offset += size
+        else:
+            out["data"] = np.asarray(out["data"], dtype=dtype).reshape(out["shape"])
+    return doc
+
+
+def encode_infer_request(inputs: Mapping[str, np.ndarray], *, binary: bool = False,
+                         outputs: Sequence[str] | None = None, binary_outputs: bool = False,
+                         request_id: str | None = None) -> tuple[bytes, int | None]:
+    """Arrays -> a request body (and its JSON header length when binary), as a client sends."""
+    doc: dict[str, Any] = {"inputs": []}
+    chunks: list[bytes] = []
+    for name, value in inputs.items():
+        array = np.asarray(value)
+        entry: dict[str, Any] = {"name": name, "shape": list(array.shape),
+                                 "datatype": datatype_of(array)}
+        if binary:
+            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        doc["inputs"].append(entry)
+    if outputs is not None:
+        doc["outputs"] = [{"name": n, "parameters": {"binary_data": binary_outputs}}
+                          for n in outputs]
+    elif binary_outputs:
+        doc["parameters"] = {"binary_data_output": True}
+    if request_id is not None:
+        doc["id"] = request_id
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return header + b"".join(chunks), len(header)

@@ -1,0 +1,104 @@
+"""Serve a cached engine over the Open Inference Protocol (what a runtime pod runs).
+
+The operator's Deployment passes one --engine per target it built for; the pod picks the
+entry for its own GPU (or a cpu entry), verifies its sha256 against the cache manifest,
+loads and warms it up, and only then reports ready. Liveness answers from the start.
+SIGTERM: readiness false, in-flight requests finish (up to --drain-seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_CACHE_DIR = "/var/cache/kiln"
+DEFAULT_PORT = 8080
+DEFAULT_DRAIN_SECONDS = 30.0
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as server.DEFAULT_MAX_BODY_BYTES
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-name", required=True,
+                        help="the name clients use in /v2/models/{name}")
+    parser.add_argument("--model-version", default="1",
+                        help="the version reported in metadata and kiln_model_info")
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                        help="where the engine cache is mounted (default %(default)s)")
+    parser.add_argument("--engine", action="append", required=True, metavar="TARGET=RELPATH",
+                        help="an engine entry for a target, relative to --cache-dir, e.g. "
+                             "sm90=default/resnet/3f2a…; repeat for each target")
+    parser.add_argument("--runtime-spec", default="{}", metavar="JSON",
+                        help="spec.runtime of the InferenceModel as JSON (batching, "
+                             "contexts, result cache); defaults are applied")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get 413 (default %(default)s)")
+    parser.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
+                        help="how long SIGTERM waits for in-flight requests "
+                             "(default %(default)s)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def runtime_spec_with_defaults(text: str, model_name: str) -> dict:
+    """`--runtime-spec` JSON -> spec.runtime with the CRD's defaults applied.
+
+    The API server applied them already; applying them again costs nothing and keeps a
+    hand-written Deployment (or an older operator) from running without them.
+    """
+    import json
+
+    from kiln.runtime import spec
+
+    try:
+        runtime = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--runtime-spec is not valid JSON: {e}") from None
+    if not isinstance(runtime, dict):
+        raise ValueError("--runtime-spec must be a JSON object (spec.runtime)")
+    obj = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+           "metadata": {"name": model_name}, "spec": {"runtime": runtime}}
+    return dict(spec.apply_defaults(obj).get("spec", {}).get("runtime") or runtime)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kiln.runtime.metrics import ServerMetrics
+    from kiln.runtime.model import ServedModel, parse_engines
+    from kiln.runtime.server import InferenceServer, run_until_stopped
+
+    configure_logging(args.log_level)
+    try:
+        engines = parse_engines(args.engine)
+        runtime = runtime_spec_with_defaults(args.runtime_spec, args.model_name)
+        if args.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be 0..65535, got {args.port}")
+    except ValueError as e:
+        print(f"kiln serve: {e}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        metrics = ServerMetrics()
+        model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
+                            runtime, metrics)
+        server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes)
+        await run_until_stopped(server, args.host, args.port, args.drain_seconds)
+
+    try:
+        asyncio.run(main())
+    except OSError as e:  # the port is taken, the address is not this host's
+        print(f"kiln serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,383 @@
+"""The Open Inference Protocol (v2) server, on aiohttp.
+
+Layered as KServe's Python server is: endpoints (this module's handlers: HTTP in, HTTP
+out) -> dataplane (`protocol`: decode, check, encode tensors) -> model (`ServedModel`:
+engine, scheduler, readiness). Liveness never looks at a model; readiness is the models'.
+
+    GET  /v2/health/live                       200 while the process runs
+    GET  /v2/health/ready                      200 when every model is ready, else 503
+    GET  /v2                                   server metadata
+    GET  /v2/models/{name}[/versions/{v}]      model metadata
+    GET  /v2/models/{name}[/versions/{v}]/ready
+    POST /v2/models/{name}[/versions/{v}]/infer
+    GET  /metrics                              Prometheus text
+
+Every failure answers `{"error": "..."}`. SIGTERM (see `run_until_stopped`): readiness
+turns false, new inference requests get 503 with Retry-After, in-flight requests finish
+(up to the drain timeout), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import time
+from typing import Any, Callable, Coroutine, Iterable
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from kiln import __version__
+from kiln.runtime import protocol
+from kiln.runtime.metrics import ServerMetrics
+from kiln.runtime.model import LOADING, UNHEALTHY, ServedModel
+from kiln.runtime.protocol import HEADER_LENGTH, ProtocolError
+
+log = logging.getLogger("kiln.runtime.server")
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# Bodies above this are decoded and encoded in a worker thread, off the event loop, so a
+# large request does not stall health checks and other requests.
+_OFFLOAD_BYTES = 256 * 1024
+# Retry-After (seconds) while a model loads, is unhealthy, or the server drains.
+NOT_READY_RETRY_AFTER = 5
+
+
+def _retry_after(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
+
+
+def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None
+                  ) -> web.Response:
+    return web.Response(body=json.dumps(doc, separators=(",", ":")).encode(), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   **extra: Any) -> web.Response:
+    return json_response({"error": message, **extra}, status, headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Give every failure, aiohttp's own included (404, 405), a v2 JSON error body."""
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        return error_response(e.status, e.message)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 404:
+            message = f"no such endpoint: {request.path}"
+        elif e.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        else:
+            message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+        return error_response(e.status, message, {k: v for k, v in e.headers.items()
+                                                  if k in ("Allow", "Retry-After")})
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {e}")
+
+
+class InferenceServer:
+    """The HTTP server for a set of models (a runtime pod serves one)."""
+
+    def __init__(self, models: Iterable[ServedModel], metrics: ServerMetrics, *,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+        self.models = {m.name: m for m in models}
+        if not self.models:
+            raise ValueError("the server needs at least one model")
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self._clock = clock
+        self.draining = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._runner: web.AppRunner | None = None
+        self._load_tasks: list[asyncio.Task] = []
+        self.url: str | None = None
+        self.app = self._make_app()
+
+    def _make_app(self) -> web.Application:
+        # Bodies are read by the infer handler with its own limit (413 with a JSON body).
+        app = web.Application(middlewares=[_errors], client_max_size=self.max_body_bytes + 1)
+        m = "/v2/models/{name}"
+        v = m + "/versions/{version}"
+        app.add_routes([
+            web.get("/v2/health/live", self.live),
+            web.get("/v2/health/ready", self.ready),
+            web.get("/v2", self.server_metadata),
+            web.get(m, self.model_metadata),
+            web.get(v, self.model_metadata),
+            web.get(m + "/ready", self.model_ready),
+            web.get(v + "/ready", self.model_ready),
+            web.post(m + "/infer", self.infer),
+            web.post(v + "/infer", self.infer),
+            web.get("/metrics", self.prometheus),
+        ])
+        return app
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self, host: str = "0.0.0.0", port: int = 8080) -> str:
+        """Listen, then load every model in the background. Returns the base URL."""
+        # handler_cancellation: a client that disconnects cancels its handler, and the
+        # scheduler drops the request from its queue instead of computing it for nobody.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound_host, bound_port = self._runner.addresses[0][:2]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.url = f"http://{shown}:{bound_port}"
+        log.info("listening on %s:%s", bound_host, bound_port)
+        self._load_tasks = [asyncio.create_task(m.load(), name=f"load {m.name}")
+                            for m in self.models.values()]
+        return self.url
+
+    async def wait_loaded(self) -> bool:
+        """Wait for every model's load attempt; True when all are ready."""
+        if self._load_tasks:
+            await asyncio.gather(*self._load_tasks, return_exceptions=True)
+        return all(m.ready for m in self.models.values())
+
+    async def shutdown(self, drain_seconds: float = 30.0) -> bool:
+        """Refuse new work, let in-flight requests finish (up to the timeout), stop.
+
+        Returns True when every in-flight request finished in time.
+        """
+        self.draining = True
+        deadline = self._clock() + max(0.0, drain_seconds)
+        log.info("draining: %d request(s) in flight, up to %.0fs", self._inflight,
+                 drain_seconds)
+        drained = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, drain_seconds))
+        except asyncio.TimeoutError:
+            drained = False
+            log.warning("drain timeout: %d request(s) still in flight are cancelled",
+                        self._inflight)
+        for task in self._load_tasks:
+            task.cancel()
+        await asyncio.gather(*self._load_tasks, return_exceptions=True)
+        for model in self.models.values():
+            await model.close(max(0.0, deadline - self._clock()))
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        log.info("stopped")
+        return drained
+
+    # -- health and metadata -----------------------------------------------------------
+
+    def _not_ready(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if not m.ready]
+
+    async def live(self, request: web.Request) -> web.Response:
+        return json_response({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return error_response(503, "the server is shutting down", _retry_headers(),
+                                  ready=False)
+        waiting = self._not_ready()
+        if waiting:
+            return error_response(503, "; ".join(m.status_message() for m in waiting),
+                                  _retry_headers(), ready=False)
+        return json_response({"ready": True})
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return json_response({"name": "kiln", "version": __version__,
+                              "extensions": [protocol.BINARY_EXTENSION]})
+
+    def _model(self, request: web.Request) -> ServedModel:
+        name = request.match_info["name"]
+        model = self.models.get(name)
+        if model is None:
+            raise ProtocolError(404, f"unknown model '{name}'; this server serves: "
+                                     f"{', '.join(self.models)}")
+        version = request.match_info.get("version")
+        if version is not None and version != model.version:
+            raise ProtocolError(404, f"model '{name}' has no version '{version}'; it serves "
+                                     f"version '{model.version}'")
+        return model
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        model = self._model(request)
+        if model.engine is None:
+            return self._model_unavailable(model)
+        return json_response({
+            "name": model.name,
+            "versions": [model.version],
+            "platform": model.platform,
+            "inputs": [protocol.tensor_metadata(s) for s in model.inputs],
+            "outputs": [protocol.tensor_metadata(s) for s in model.outputs],
+        })
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        model = self._model(request)
+        if self.draining or not model.ready:
+            return self._model_unavailable(model)
+        return json_response({"name": model.name, "ready": True})
+
+    def _model_unavailable(self, model: ServedModel) -> web.Response:
+        message = "the server is shutting down" if self.draining else model.status_message()
+        retry = self.draining or model.state in (LOADING, UNHEALTHY)
+        return error_response(503, message, _retry_headers() if retry else None,
+                              name=model.name, ready=False, state=model.state)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        # The classic text format, which every Prometheus version reads; Kiln's metric
+        # names need none of the newer format's UTF-8 escaping.
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+    # -- inference ---------------------------------------------------------------------
+
+    async def infer(self, request: web.Request) -> web.Response:
+        model = self._model(request)
+        started = self._clock()
+        outcome: str | None = "error"
+        in_scheduler: list[bool] = []
+        self._inflight += 1
+        self._idle.clear()
+        # kiln_inflight_requests is the scheduler's (queued or executing); this counter
+        # only holds shutdown until every accepted request is answered.
+        try:
+            response = await self._infer(request, model, in_scheduler)
+            outcome = _outcome(response.status)
+            return response
+        except asyncio.CancelledError:
+            # The client went away. A request cancelled inside the scheduler is counted
+            # there (outcome="cancelled"); count the ones cancelled before they reached it.
+            outcome = None if in_scheduler else "cancelled"
+            raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+            if outcome is not None:
+                self.metrics.requests.labels(model=model.name, outcome=outcome).inc()
+            self.metrics.request_seconds.labels(model=model.name).observe(
+                self._clock() - started)
+
+    async def _infer(self, request: web.Request, model: ServedModel,
+                     in_scheduler: list[bool]) -> web.Response:
+        from kiln.runtime.scheduler import (ExecutionFailed, InvalidBatch, Overloaded,
+                                            ShuttingDown)
+
+        if self.draining:
+            return error_response(503, "the server is shutting down; retry on another "
+                                       "replica", _retry_headers())
+        if not model.serving:
+            return self._model_unavailable(model)
+        try:
+            body = await self._read_body(request)
+            json_length = protocol.header_length(request.headers.get(HEADER_LENGTH),
+                                                 len(body))
+            parse = (model.inputs, model.outputs, model.profiles)
+            if len(body) > _OFFLOAD_BYTES:
+                req = await asyncio.to_thread(protocol.parse_infer_request, body,
+                                              json_length, *parse)
+            else:
+                req = protocol.parse_infer_request(body, json_length, *parse)
+            del body
+            in_scheduler.append(True)
+            results = await model.infer(req.inputs)
+        except ProtocolError as e:
+            return error_response(e.status, e.message)
+        except InvalidBatch as e:
+            return error_response(400, str(e))
+        except ShuttingDown as e:
+            return error_response(503, str(e), {"Retry-After": _retry_after(e.retry_after)})
+        except Overloaded as e:
+            return error_response(429, f"model '{model.name}' is overloaded: {e}",
+                                  {"Retry-After": _retry_after(e.retry_after)})
+        except ExecutionFailed as e:
+            return error_response(500, f"inference failed: {e}")
+        missing = [o.name for o in req.outputs if o.name not in results]
+        if missing:
+            return error_response(500, f"the engine returned no {', '.join(missing)}")
+        encode = (model.name, model.version, req, results)
+        if sum(a.nbytes for a in results.values()) > _OFFLOAD_BYTES:
+            payload, json_length = await asyncio.to_thread(protocol.encode_infer_response,
+                                                           *encode)
+        else:
+            payload, json_length = protocol.encode_infer_response(*encode)
+        if json_length is None:
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=payload, content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(json_length)})
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.max_body_bytes
+        too_big = ProtocolError(413, f"the request body is larger than the server's limit "
+                                     f"of {limit} bytes (--max-body-bytes)")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_big
+        buf = bytearray()
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise too_big
+        return bytes(buf)
+
+
+def _retry_headers() -> dict[str, str]:
+    return {"Retry-After": str(NOT_READY_RETRY_AFTER)}
+
+
+def _outcome(status: int) -> str:
+    if status < 400:
+        return "success"
+    if status == 429:
+        return "overloaded"
+    if status == 503:
+        return "unavailable"
+    if status < 500:
+        return "bad_request"
+    return "error"
+
+
+async def run_until_stopped(server: InferenceServer, host: str, port: int,
+                            drain_seconds: float,
+                            on_started: Callable[[str], Coroutine[Any, Any, None]] | None = None,
+                            stop: asyncio.Event | None = None) -> bool:
+    """Serve until SIGTERM or SIGINT (or `stop` is set), then drain and stop.
+
+    `on_started(url)` runs as a task once the server listens. Returns what
+    `InferenceServer.shutdown` returns.
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
+            pass
+    try:
+        url = await server.start(host, port)
+        task = asyncio.create_task(on_started(url)) if on_started else None
+        await stop.wait()
+        log.info("stop requested")
+        if task is not None and not task.done():
+            task.cancel()
+        return await server.shutdown(drain_seconds)
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)

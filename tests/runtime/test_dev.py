@@ -1,0 +1,217 @@
+"""`kiln dev` and `make demo`'s module, run as a user runs them: real subprocesses, real HTTP.
+
+The manifest names a real ONNX model (generated with onnx.helper, fixed seed) through a
+relative `file://` URI; the answers are compared with ONNX Runtime run on the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.runtime.dev import resolve_model_uri
+
+pytestmark = pytest.mark.timeout(90)
+
+KILN = Path(sys.executable).parent / "kiln"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scorer_model() -> bytes:
+    """features FP32 [N,4] and bucket INT64 [N,1] -> score FP32 [N,2], best INT64 [N]."""
+    rng = np.random.default_rng(11)
+    init = [numpy_helper.from_array(rng.standard_normal((4, 2)).astype(np.float32), "W"),
+            numpy_helper.from_array(rng.standard_normal((5, 2)).astype(np.float32), "B")]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["features", "W"], ["proj"]),
+         helper.make_node("Gather", ["B", "bucket"], ["bias3"], axis=0),
+         helper.make_node("Squeeze", ["bias3", "one"], ["bias"]),
+         helper.make_node("Add", ["proj", "bias"], ["score"]),
+         helper.make_node("ArgMax", ["score"], ["best"], axis=1, keepdims=0)],
+        "scorer",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", 4]),
+         helper.make_tensor_value_info("bucket", TensorProto.INT64, ["N", 1])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["N", 2]),
+         helper.make_tensor_value_info("best", TensorProto.INT64, ["N"])],
+        init + [numpy_helper.from_array(np.array([1], dtype=np.int64), "one")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def manifest(tmp: Path, **engine) -> Path:
+    (tmp / "models").mkdir(exist_ok=True)
+    (tmp / "models" / "scorer.onnx").write_bytes(scorer_model())
+    doc = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+           "metadata": {"name": "scorer", "namespace": "dev"},
+           "spec": {"model": {"uri": "file://./models/scorer.onnx", "version": "3"},
+                    "engine": {"backend": "onnxruntime", "precision": "fp32",
+                               "targets": ["cpu"], **engine}}}
+    path = tmp / "scorer.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class Dev:
+    """`kiln dev` in a subprocess; stdout lines collected as they arrive."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.proc = subprocess.Popen([str(KILN), "dev", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, pattern: str, timeout: float = 30) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(self.lines))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(15)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._reader.join(5)
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def test_kiln_dev_builds_serves_and_answers_then_hits_the_cache(tmp_path):
+    path = manifest(tmp_path)
+    cache = tmp_path / "cache"
+    dev = Dev([str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
+    try:
+        key = dev.wait_for(r"^built engine ([0-9a-f]{20}) for cpu in [0-9.]+s -> "
+                           r"dev/scorer/\1$").group(1)
+        url = dev.wait_for(r"^serving scorer \(version 3\) at (http://127\.0\.0\.1:\d+)$") \
+            .group(1)
+        dev.wait_for(r"^press Ctrl-C to stop$")
+        text = "\n".join(dev.lines)
+        assert "  inputs:  features FP32[-1, 4], bucket INT64[-1, 1]" in text
+        assert "  outputs: score FP32[-1, 2], best INT64[-1]" in text
+        curl = next(line for line in dev.lines if "/infer" in line)
+        argv = shlex.split(curl)
+        assert argv[:5] == ["curl", "-s", "-X", "POST", f"{url}/v2/models/scorer/infer"]
+        example = json.loads(argv[argv.index("-d") + 1])
+        assert [(i["name"], i["shape"], i["datatype"]) for i in example["inputs"]] == [
+            ("features", [1, 4], "FP32"), ("bucket", [1, 1], "INT64")]
+        # The printed example works as printed.
+        status, answer = post(f"{url}/v2/models/scorer/infer", json.dumps(example).encode())
+        assert status == 200
+        assert [o["name"] for o in answer["outputs"]] == ["score", "best"]
+
+        features = np.array([[0.5, -1.0, 2.0, 0.25], [1.5, 0.0, -0.5, 3.0]], np.float32)
+        bucket = np.array([[4], [0]], np.int64)
+        status, answer = post(f"{url}/v2/models/scorer/infer", json.dumps({"inputs": [
+            {"name": "features", "shape": [2, 4], "datatype": "FP32",
+             "data": features.tolist()},
+            {"name": "bucket", "shape": [2, 1], "datatype": "INT64",
+             "data": bucket.tolist()}]}).encode())
+        session = ort.InferenceSession(scorer_model(), providers=["CPUExecutionProvider"])
+        score, best = session.run(["score", "best"], {"features": features, "bucket": bucket})
+        outputs = {o["name"]: o for o in answer["outputs"]}
+        np.testing.assert_allclose(np.array(outputs["score"]["data"]).reshape(2, 2), score,
+                                   rtol=1e-5, atol=1e-6)
+        assert outputs["best"]["data"] == best.tolist()
+    finally:
+        assert dev.stop() == 0
+    assert dev.lines[-1] == "kiln dev: stopped"
+
+    again = Dev([str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
+    try:
+        again.wait_for(rf"^cache hit: engine {key} for cpu is already in dev/scorer/{key}$")
+        again.wait_for(r"^serving scorer")
+    finally:
+        assert again.stop() == 0
+
+
+def test_kiln_dev_prints_every_validation_error(tmp_path):
+    path = manifest(tmp_path, precision="fp7")
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["model"]["version"] = "not a version!"
+    path.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run([str(KILN), "dev", str(path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == f"{path}: the InferenceModel is invalid (2 errors):"
+    assert any("spec.engine.precision" in line and "fp7" in line for line in lines[1:])
+    assert any("spec.model.version" in line for line in lines[1:])
+
+
+def test_kiln_dev_explains_tensorrt_without_gpu(tmp_path):
+    from kiln.runtime.gpu import detect_target
+    if detect_target() != "cpu":
+        pytest.skip("this machine has an NVIDIA GPU: tensorrt manifests build here")
+    path = manifest(tmp_path, backend="tensorrt", targets=["sm90"])
+    proc = subprocess.run([str(KILN), "dev", str(path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "needs an NVIDIA GPU, and this machine has none" in proc.stderr
+    assert "set `engine.backend: onnxruntime`" in proc.stderr
+
+
+def test_relative_file_uris_resolve_against_the_manifest(tmp_path):
+    assert resolve_model_uri("file://./m.onnx", tmp_path) == (tmp_path / "m.onnx").as_uri()
+    assert resolve_model_uri("file:sub/m.onnx", tmp_path) == (tmp_path / "sub/m.onnx").as_uri()
+    assert resolve_model_uri("file:///abs/m.onnx", tmp_path) == "file:///abs/m.onnx"
+    assert resolve_model_uri("https://h/m.onnx", tmp_path) == "https://h/m.onnx"
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kiln.runtime.demo", "--cache-dir",
+                           str(tmp_path / "cache"), "--timeout", "60"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "request: POST http://127.0.0.1:" in out
+    assert "answer: HTTP 200" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  [")]
+    assert [r[4] for r in rows] == ["setosa", "versicolor", "virginica", "versicolor"]
+    assert "kiln demo: server stopped (exit code 0)" in out
+
+
+def test_demo_model_is_reproducible_and_pinned(tmp_path):
+    demo = REPO / "examples" / "demo"
+    subprocess.run([sys.executable, str(demo / "make_model.py"), str(tmp_path / "m.onnx")],
+                   check=True, capture_output=True, timeout=60)
+    regenerated = (tmp_path / "m.onnx").read_bytes()
+    assert regenerated == (demo / "model.onnx").read_bytes()
+    pinned = yaml.safe_load((demo / "inferencemodel.yaml").read_text())["spec"]["model"]
+    assert pinned["sha256"] == hashlib.sha256(regenerated).hexdigest()

@@ -1,0 +1,93 @@
+"""The v2 tensor codec on its own: the cases the end-to-end tests do not reach."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kiln.runtime.backends.base import ShapeRange, TensorSpec
+from kiln.runtime.protocol import (ProtocolError, decode_infer_response, encode_infer_request,
+                                   encode_infer_response, parse_infer_request)
+
+INPUTS = [TensorSpec("mask", "BOOL", (-1, 2)), TensorSpec("half", "FP16", (-1, 2)),
+          TensorSpec("small", "UINT8", (-1, 2))]
+OUTPUTS = [TensorSpec("y", "FP32", (-1, 2))]
+
+
+def parse(doc, binary: bytes = b"", profiles=None):
+    header = json.dumps(doc).encode()
+    return parse_infer_request(header + binary, len(header) if binary else None, INPUTS,
+                               OUTPUTS, profiles)
+
+
+def inputs(**changes):
+    doc = [{"name": "mask", "shape": [1, 2], "datatype": "BOOL", "data": [True, False]},
+           {"name": "half", "shape": [1, 2], "datatype": "FP16", "data": [0.5, 1.5]},
+           {"name": "small", "shape": [1, 2], "datatype": "UINT8", "data": [0, 255]}]
+    for entry in doc:
+        entry.update(changes.get(entry["name"], {}))
+    return {"inputs": doc}
+
+
+def test_bool_fp16_uint8_json_and_binary_agree():
+    arrays = {"mask": np.array([[True, False]]), "half": np.array([[0.5, 1.5]], np.float16),
+              "small": np.array([[0, 255]], np.uint8)}
+    body, n = encode_infer_request(arrays, binary=True)
+    from_binary = parse_infer_request(body, n, INPUTS, OUTPUTS).inputs
+    from_json = parse(inputs()).inputs
+    for name, want in arrays.items():
+        assert from_binary[name].dtype == want.dtype == from_json[name].dtype
+        np.testing.assert_array_equal(from_binary[name], want)
+        np.testing.assert_array_equal(from_json[name], want)
+
+
+@pytest.mark.parametrize("doc,binary,message", [
+    (inputs(mask={"data": [1, 0]}), b"", "input 'mask': BOOL data must be true or false"),
+    (inputs(small={"data": [0, 256]}), b"", "input 'small': a value is out of range for UINT8"),
+    (inputs(half={"data": ["a", "b"]}), b"", "input 'half': 'data' must hold numbers for FP16"),
+    (inputs(half={"data": [[1.0], [2.0, 3.0]]}), b"",
+     "input 'half': 'data' is a ragged nested list"),
+    (inputs(half={"shape": [0, 2]}), b"",
+     "input 'half': every dimension of shape [0, 2] must be positive"),
+    (inputs(half={"parameters": {"shared_memory_region": "r"}}), b"",
+     "input 'half': the shared-memory extension is not supported; send the tensor in the body "
+     "(JSON data or binary_data_size)"),
+    (inputs(half={"data": None, "parameters": {"binary_data_size": 4}}), bytes(4),
+     "input 'half' has both 'data' and binary_data_size"),
+    (inputs(), b"xyz", "the body has 3 bytes after the JSON header that no input's "
+                       "binary_data_size accounts for"),
+    ({**inputs(), "parameters": {"binary_data_output": "yes"}}, b"",
+     "parameter 'binary_data_output' of the request must be true or false"),
+    ({**inputs(), "id": 5}, b"", "'id' must be a string"),
+])
+def test_rejections(doc, binary, message):
+    with pytest.raises(ProtocolError) as e:
+        parse(doc, binary)
+    assert (e.value.status, e.value.message) == (400, message)
+
+
+def test_dimensions_outside_the_profile_are_refused():
+    profiles = {"half": ShapeRange((1, 2), (4, 2), (8, 2))}
+    parse(inputs(), profiles=profiles)
+    wide = {"inputs": [dict(i, shape=[1, 3], data=[i["data"][0]] * 3)
+                       for i in inputs()["inputs"]]}
+    specs = [TensorSpec(s.name, s.datatype, (-1, -1)) for s in INPUTS]
+    header = json.dumps(wide).encode()
+    with pytest.raises(ProtocolError) as e:
+        parse_infer_request(header, None, specs, OUTPUTS,
+                            {"half": ShapeRange((1, 1), (4, 2), (8, 2))})
+    assert e.value.message == ("input 'half' has shape [1, 3] but the engine's profile allows "
+                               "dimension 1 only from 1 to 2 (min [1, 1], max [8, 2])")
+
+
+def test_binary_output_default_and_per_output_override():
+    request = parse({**inputs(), "parameters": {"binary_data_output": True},
+                     "outputs": [{"name": "y", "parameters": {"binary_data": False}}]})
+    assert [o.binary for o in request.outputs] == [False]
+    request = parse({**inputs(), "parameters": {"binary_data_output": True}})
+    y = np.arange(4, dtype=np.float32).reshape(2, 2)
+    body, n = encode_infer_response("m", "1", request, {"y": y})
+    assert n is not None and len(body) == n + y.nbytes
+    np.testing.assert_array_equal(decode_infer_response(body, n)["outputs"][0]["data"], y)

@@ -1,0 +1,640 @@
+"""The v2 server end to end on the CPU: build -> cache -> serve -> infer over real HTTP.
+
+A real ONNX model (generated with onnx.helper, fixed seed) with a float32 and an int64
+input, three outputs and a dynamic batch dimension is built by `build_engine` into a real
+cache, served by `InferenceServer` on 127.0.0.1 (its own event loop in a thread, as in a
+pod), and every answer is compared with ONNX Runtime run directly on the same model.
+Timing-dependent cases (slow warm-up, overload, disconnects) use the batcher's real queue
+delay, which the runtime spec sets; no mocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import http.client
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.runtime.build import BuildRequest, build_engine
+from kiln.runtime.metrics import ServerMetrics
+from kiln.runtime.model import ServedModel
+from kiln.runtime.protocol import (HEADER_LENGTH, decode_infer_response,
+                                   encode_infer_request)
+from kiln.runtime.server import InferenceServer
+
+pytestmark = pytest.mark.timeout(60)
+
+NAME = "multi"
+PROFILES = [{"input": "features", "min": [1, 4], "opt": [4, 4], "max": [32, 4]},
+            {"input": "token_ids", "min": [1, 3], "opt": [4, 3], "max": [32, 3]}]
+RUNTIME = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 2000}}
+MAX_BODY = 256 * 1024
+
+
+# -- the model, the cache, the server ----------------------------------------------------
+
+def multi_model() -> bytes:
+    """features FP32 [N,4] + token_ids INT64 [N,3] -> scores FP32 [N,3], label INT64 [N],
+    pooled FP32 [N,4]: an embedding bag added to the features, then a 2-layer MLP."""
+    rng = np.random.default_rng(7)
+    init = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+            for n, s in (("E", (10, 4)), ("W1", (4, 8)), ("b1", (8,)), ("W2", (8, 3)),
+                         ("b2", (3,)))]
+    init.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"))
+    nodes = [
+        helper.make_node("Gather", ["E", "token_ids"], ["emb"], axis=0),
+        helper.make_node("ReduceSum", ["emb", "axis1"], ["pooled"], keepdims=0),
+        helper.make_node("Add", ["features", "pooled"], ["x"]),
+        helper.make_node("MatMul", ["x", "W1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Relu", ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["s0"]),
+        helper.make_node("Add", ["s0", "b2"], ["scores"]),
+        helper.make_node("ArgMax", ["scores"], ["label"], axis=1, keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "multi",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", 4]),
+         helper.make_tensor_value_info("token_ids", TensorProto.INT64, ["N", 3])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3]),
+         helper.make_tensor_value_info("label", TensorProto.INT64, ["N"]),
+         helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["N", 4])],
+        init)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def sample(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"features": rng.standard_normal((batch, 4)).astype(np.float32),
+            "token_ids": rng.integers(0, 10, size=(batch, 3)).astype(np.int64)}
+
+
+class Built:
+    def __init__(self, root: Path):
+        self.onnx = multi_model()
+        (root / "multi.onnx").write_bytes(self.onnx)
+        self.cache = root / "cache"
+        request = BuildRequest.from_dict({
+            "namespace": "default", "name": NAME,
+            "model": {"uri": (root / "multi.onnx").as_uri(), "version": "1"},
+            "engine": {"backend": "onnxruntime", "precision": "fp32", "profiles": PROFILES},
+            "target": "cpu"})
+        self.result = build_engine(request, self.cache)
+        self.rel = self.result.path
+        self.session = ort.InferenceSession(self.onnx, providers=["CPUExecutionProvider"])
+
+    def expected(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(names, inputs)))
+
+
+class ServerThread:
+    """An InferenceServer on its own event loop in a thread, on a free port."""
+
+    def __init__(self, cache: Path, engines: dict[str, str], runtime: dict | None = None,
+                 max_body_bytes: int = MAX_BODY, target: str = "cpu"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.metrics = ServerMetrics()
+        self.model = ServedModel(NAME, "1", cache, engines, runtime or RUNTIME, self.metrics,
+                                 target=target)
+        self.server = InferenceServer([self.model], self.metrics,
+                                      max_body_bytes=max_body_bytes)
+        self.url = self.call(self.server.start("127.0.0.1", 0))
+        self.port = urllib.parse.urlsplit(self.url).port
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_loaded(self) -> bool:
+        return self.call(self.server.wait_loaded())
+
+    def close(self) -> None:
+        self.call(self.server.shutdown(2.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    # -- a plain HTTP client over real sockets -------------------------------------------
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 20):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, dict(resp.getheaders()), resp.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str):
+        status, headers, body = self.request("GET", path)
+        return status, headers, json.loads(body) if path != "/metrics" else body.decode()
+
+    def infer(self, doc, path: str = f"/v2/models/{NAME}/infer"):
+        body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        status, headers, raw = self.request("POST", path, body,
+                                            {"Content-Type": "application/json"})
+        return status, headers, json.loads(raw)
+
+    def metric(self, name: str, **labels) -> float | None:
+        _, _, text = self.get("/metrics")
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    return Built(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    srv = ServerThread(built.cache, {"cpu": built.rel})
+    assert srv.wait_loaded(), srv.model.status_message()
+    yield srv
+    srv.close()
+
+
+def json_inputs(inputs: dict[str, np.ndarray]) -> list[dict]:
+    dt = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
+    return [{"name": n, "shape": list(a.shape), "datatype": dt[a.dtype],
+             "data": a.reshape(-1).tolist()} for n, a in inputs.items()]
+
+
+def assert_matches(outputs: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert set(outputs) == set(expected)
+    for name, want in expected.items():
+        got = outputs[name]
+        assert got.shape == want.shape, name
+        assert got.dtype == want.dtype, name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# -- inference ---------------------------------------------------------------------------
+
+def test_json_inference_matches_onnxruntime(server, built):
+    inputs = sample(3)
+    status, headers, doc = server.infer({"id": "req-7", "inputs": json_inputs(inputs)})
+    assert status == 200, doc
+    assert headers["Content-Type"].startswith("application/json")
+    assert doc["id"] == "req-7"
+    assert doc["model_name"] == NAME and doc["model_version"] == "1"
+    assert [o["name"] for o in doc["outputs"]] == ["scores", "label", "pooled"]
+    assert {o["name"]: o["datatype"] for o in doc["outputs"]} == {
+        "scores": "FP32", "label": "INT64", "pooled": "FP32"}
+    outputs = {o["name"]: o["data"] for o in decode_infer_response(
+        json.dumps(doc).encode(), None)["outputs"]}
+    assert_matches(outputs, built.expected(inputs))
+
+
+def test_nested_data_and_output_selection(server, built):
+    inputs = sample(2, seed=1)
+    doc = {"inputs": [{"name": n, "shape": list(a.shape),
+                       "datatype": "FP32" if a.dtype == np.float32 else "INT64",
+                       "data": a.tolist()} for n, a in inputs.items()],
+           "outputs": [{"name": "label"}]}
+    status, _, answer = server.infer(doc)
+    assert status == 200, answer
+    assert [o["name"] for o in answer["outputs"]] == ["label"]
+    assert answer["outputs"][0]["shape"] == [2]
+    assert answer["outputs"][0]["data"] == built.expected(inputs)["label"].tolist()
+    assert "id" not in answer
+
+
+def test_binary_tensor_extension(server, built):
+    """As tritonclient.http sends it: binary inputs, binary outputs for everything."""
+    inputs = sample(5, seed=2)
+    body, json_len = encode_infer_request(inputs, binary=True, binary_outputs=True,
+                                          request_id="bin")
+    status, headers, raw = server.request(
+        "POST", f"/v2/models/{NAME}/infer", body,
+        {HEADER_LENGTH: str(json_len), "Content-Type": "application/octet-stream"})
+    assert status == 200, raw[:300]
+    assert headers["Content-Type"] == "application/octet-stream"
+    header_len = int(headers[HEADER_LENGTH])
+    header = json.loads(raw[:header_len])
+    assert header["id"] == "bin"
+    assert all("data" not in o and o["parameters"]["binary_data_size"] > 0
+               for o in header["outputs"])
+    outputs = {o["name"]: o["data"] for o in decode_infer_response(raw, header_len)["outputs"]}
+    assert_matches(outputs, built.expected(inputs))
+
+
+def test_binary_inputs_mixed_outputs(server, built):
+    """Binary input for one tensor, JSON for the other; one output binary, one JSON."""
+    inputs = sample(2, seed=3)
+    raw_ids = inputs["token_ids"].astype("<i8").tobytes()
+    header = json.dumps({"inputs": [
+        {"name": "features", "shape": [2, 4], "datatype": "FP32",
+         "data": inputs["features"].reshape(-1).tolist()},
+        {"name": "token_ids", "shape": [2, 3], "datatype": "INT64",
+         "parameters": {"binary_data_size": len(raw_ids)}}],
+        "outputs": [{"name": "scores", "parameters": {"binary_data": True}},
+                    {"name": "pooled", "parameters": {"binary_data": False}}]}).encode()
+    status, headers, raw = server.request("POST", f"/v2/models/{NAME}/infer", header + raw_ids,
+                                          {HEADER_LENGTH: str(len(header))})
+    assert status == 200, raw[:300]
+    doc = decode_infer_response(raw, int(headers[HEADER_LENGTH]))
+    by_name = {o["name"]: o for o in doc["outputs"]}
+    assert set(by_name) == {"scores", "pooled"}
+    assert "binary_data_size" in by_name["scores"]["parameters"]
+    want = built.expected(inputs)
+    np.testing.assert_allclose(by_name["scores"]["data"], want["scores"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(by_name["pooled"]["data"], want["pooled"], rtol=1e-5, atol=1e-5)
+
+
+def test_versioned_infer_route(server):
+    doc = {"inputs": json_inputs(sample(1))}
+    assert server.infer(doc, f"/v2/models/{NAME}/versions/1/infer")[0] == 200
+    status, _, answer = server.infer(doc, f"/v2/models/{NAME}/versions/2/infer")
+    assert status == 404
+    assert answer["error"] == f"model '{NAME}' has no version '2'; it serves version '1'"
+
+
+# -- bad requests ------------------------------------------------------------------------
+
+def _doc(**overrides):
+    inputs = json_inputs(sample(2))
+    for name, changes in overrides.items():
+        for entry in inputs:
+            if entry["name"] == name:
+                entry.update(changes)
+    return {"inputs": inputs}
+
+
+BAD_REQUESTS = [
+    ("unknown input",
+     {"inputs": json_inputs(sample(1)) + [{"name": "extra", "shape": [1], "datatype": "FP32",
+                                          "data": [1.0]}]},
+     400, "unknown input 'extra'; the model's inputs are: features, token_ids"),
+    ("missing input", {"inputs": json_inputs(sample(1))[:1]},
+     400, "missing input 'token_ids'; the model needs: features, token_ids"),
+    ("wrong datatype", _doc(features={"datatype": "FP64"}),
+     400, "input 'features' has datatype FP64 but the model expects FP32"),
+    ("bytes datatype", _doc(features={"datatype": "BYTES"}),
+     400, "input 'features': the BYTES datatype is not supported; the model expects FP32"),
+    ("rank", _doc(features={"shape": [8]}),
+     400, "input 'features' has shape [8] (rank 1) but the model expects rank 2: [-1, 4]"),
+    ("fixed dimension", _doc(features={"shape": [4, 2]}),
+     400, "input 'features' has shape [4, 2] but the model expects [-1, 4] "
+          "(dimension 1 must be 4)"),
+    ("element count", _doc(features={"shape": [3, 4]}),
+     400, "input 'features': shape [3, 4] needs 12 elements but 'data' has 8"),
+    ("inconsistent batch", {"inputs": [json_inputs(sample(2))[0], json_inputs(sample(3))[1]]},
+     400, "inputs disagree on the batch dimension (dimension 0): 'features' has 2, "
+          "'token_ids' has 3"),
+    ("float data for int64", _doc(token_ids={"data": [0.5] * 6}),
+     400, "input 'token_ids': INT64 data must be integers"),
+    ("unknown output", {"inputs": json_inputs(sample(1)), "outputs": [{"name": "nope"}]},
+     400, "unknown output 'nope'; the model's outputs are: scores, label, pooled"),
+    ("no inputs", {"id": "x"}, 400, "the request needs a non-empty 'inputs' list"),
+    ("batch above maxBatchSize", {"inputs": json_inputs(sample(20))},
+     400, "the request's batch of 20 rows exceeds maxBatchSize 16; split it into smaller "
+          "requests"),
+]
+
+
+@pytest.mark.parametrize("doc,status,message", [c[1:] for c in BAD_REQUESTS],
+                         ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request(server, doc, status, message):
+    got, _, answer = server.infer(doc)
+    assert (got, answer) == (status, {"error": message})
+
+
+def test_malformed_json(server):
+    status, _, answer = server.infer(b'{"inputs": [')
+    assert status == 400
+    assert answer["error"].startswith("malformed JSON in the request body: ")
+
+
+def test_binary_size_mismatch(server):
+    header = json.dumps({"inputs": [
+        {"name": "features", "shape": [1, 4], "datatype": "FP32",
+         "parameters": {"binary_data_size": 12}},
+        {"name": "token_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]}]}).encode()
+    status, _, raw = server.request("POST", f"/v2/models/{NAME}/infer", header + bytes(12),
+                                    {HEADER_LENGTH: str(len(header))})
+    assert status == 400
+    assert json.loads(raw) == {"error": "input 'features': binary_data_size is 12 bytes but "
+                                        "shape [1, 4] of FP32 needs 16"}
+    status, _, raw = server.request("POST", f"/v2/models/{NAME}/infer", header,
+                                    {HEADER_LENGTH: str(len(header) + 5)})
+    assert status == 400
+    assert json.loads(raw)["error"] == (f"{HEADER_LENGTH} is {len(header) + 5} but the body "
+                                        f"has {len(header)} bytes")
+
+
+def test_body_over_limit_is_413(server):
+    body = json.dumps({"inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [0.0] * 4, "pad": "x" * MAX_BODY}]}).encode()
+    status, _, raw = server.request("POST", f"/v2/models/{NAME}/infer", body)
+    assert status == 413
+    assert json.loads(raw) == {"error": f"the request body is larger than the server's limit "
+                                        f"of {MAX_BODY} bytes (--max-body-bytes)"}
+
+
+def test_unknown_model_route_and_method(server):
+    status, _, answer = server.infer({"inputs": []}, "/v2/models/other/infer")
+    assert (status, answer) == (404, {"error": f"unknown model 'other'; this server serves: "
+                                               f"{NAME}"})
+    assert server.get("/v2/models/other")[0] == 404
+    status, _, answer = server.get("/v3/nothing")
+    assert (status, answer) == (404, {"error": "no such endpoint: /v3/nothing"})
+    status, headers, raw = server.request("GET", f"/v2/models/{NAME}/infer")
+    assert status == 405
+    assert json.loads(raw) == {"error": f"method GET is not allowed on /v2/models/{NAME}/infer"}
+
+
+# -- metadata, health, metrics -----------------------------------------------------------
+
+def test_metadata_and_health(server):
+    assert server.get("/v2/health/live")[:3:2] == (200, {"live": True})
+    assert server.get("/v2/health/ready")[:3:2] == (200, {"ready": True})
+    assert server.get(f"/v2/models/{NAME}/ready")[:3:2] == (200, {"name": NAME, "ready": True})
+    status, _, meta = server.get("/v2")
+    assert status == 200 and meta["name"] == "kiln"
+    assert "binary_tensor_data" in meta["extensions"]
+    status, _, meta = server.get(f"/v2/models/{NAME}")
+    assert status == 200
+    assert meta == {
+        "name": NAME, "versions": ["1"], "platform": "onnxruntime",
+        "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 4]},
+                   {"name": "token_ids", "datatype": "INT64", "shape": [-1, 3]}],
+        "outputs": [{"name": "scores", "datatype": "FP32", "shape": [-1, 3]},
+                    {"name": "label", "datatype": "INT64", "shape": [-1]},
+                    {"name": "pooled", "datatype": "FP32", "shape": [-1, 4]}]}
+    assert server.get(f"/v2/models/{NAME}/versions/1")[0] == 200
+
+
+def test_metrics_count_requests_by_outcome_and_load_stages(server, built):
+    def count(outcome):
+        return server.metric("kiln_requests_total", model=NAME, outcome=outcome) or 0.0
+
+    before = {o: count(o) for o in ("success", "bad_request")}
+    requests_before = server.metric("kiln_request_duration_seconds_count", model=NAME) or 0.0
+    for _ in range(3):
+        assert server.infer({"inputs": json_inputs(sample(1))})[0] == 200
+    for _ in range(2):
+        assert server.infer({"inputs": json_inputs(sample(1))[:1]})[0] == 400
+    assert count("success") - before["success"] == 3
+    assert count("bad_request") - before["bad_request"] == 2
+    assert server.metric("kiln_request_duration_seconds_count", model=NAME) \
+        - requests_before == 5
+    for stage in ("read", "verify", "deserialize", "warmup"):
+        value = server.metric("kiln_engine_load_seconds", model=NAME, stage=stage)
+        assert value is not None and value >= 0, stage
+    assert server.metric("kiln_model_ready", model=NAME) == 1.0
+    assert server.metric("kiln_model_info", model=NAME, version="1",
+                         engine_key=built.result.manifest.key, backend="onnxruntime",
+                         target="cpu") == 1.0
+    _, headers, _ = server.request("GET", "/metrics")
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+
+
+# -- readiness, load failures, overload, disconnects, engine failures ---------------------
+
+SLOW = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000,
+                     "maxQueueSize": 2}}
+
+
+def test_slow_warmup_overload_and_disconnect(built):
+    """Warm-up waits out a 1.5 s queue delay: live throughout, ready only once warm."""
+    srv = ServerThread(built.cache, {"cpu": built.rel}, SLOW)
+    try:
+        assert srv.get("/v2/health/live")[0] == 200
+        status, headers, doc = srv.get("/v2/health/ready")
+        assert status == 503 and headers["Retry-After"] == "5"
+        assert doc == {"error": f"model '{NAME}' is loading", "ready": False}
+        status, _, doc = srv.get(f"/v2/models/{NAME}/ready")
+        assert (status, doc["state"]) == (503, "loading")
+        status, headers, doc = srv.infer({"inputs": json_inputs(sample(1))})
+        assert (status, doc["error"]) == (503, f"model '{NAME}' is loading")
+        assert "Retry-After" in headers
+        assert srv.metric("kiln_model_ready", model=NAME) == 0.0
+
+        deadline = time.monotonic() + 15
+        while srv.get("/v2/health/ready")[0] != 200:
+            assert srv.get("/v2/health/live")[0] == 200
+            assert time.monotonic() < deadline, "never became ready"
+            time.sleep(0.05)
+        # Ready only after warm-up finished: the warm-up batch sat out the whole delay.
+        assert srv.metric("kiln_engine_load_seconds", model=NAME, stage="warmup") >= 1.4
+
+        # Overload: the queue holds 2 requests; the third gets 429 with Retry-After.
+        results = []
+
+        def send():
+            results.append(srv.infer({"inputs": json_inputs(sample(1))}))
+        threads = [threading.Thread(target=send) for _ in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.1)
+        for t in threads:
+            t.join(10)
+        statuses = sorted(r[0] for r in results)
+        assert statuses == [200, 200, 429], [r[2] for r in results]
+        rejected = next(r for r in results if r[0] == 429)
+        assert int(rejected[1]["Retry-After"]) >= 1
+        assert rejected[2]["error"].startswith(f"model '{NAME}' is overloaded: ")
+        assert srv.metric("kiln_requests_total", model=NAME, outcome="overloaded") == 1.0
+
+        # A client that disconnects while queued cancels its request.
+        body = json.dumps({"inputs": json_inputs(sample(1))}).encode()
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(f"POST /v2/models/{NAME}/infer HTTP/1.1\r\nHost: x\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.3)
+        sock.close()
+        deadline = time.monotonic() + 5
+        while srv.metric("kiln_requests_total", model=NAME, outcome="cancelled") != 1.0:
+            assert time.monotonic() < deadline, "the disconnect was not counted as cancelled"
+            time.sleep(0.05)
+        assert srv.metric("kiln_queue_depth", model=NAME) == 0.0
+    finally:
+        srv.close()
+
+
+def test_tampered_engine_is_not_ready_with_both_digests(built, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(built.cache / built.rel, cache / built.rel)
+    manifest = json.loads((cache / built.rel / "manifest.json").read_text())
+    engine = cache / built.rel / manifest["engineFile"]
+    engine.chmod(0o644)
+    data = bytearray(engine.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    engine.write_bytes(bytes(data))
+    actual = hashlib.sha256(data).hexdigest()
+
+    srv = ServerThread(cache, {"cpu": built.rel})
+    try:
+        assert srv.wait_loaded() is False
+        assert srv.get("/v2/health/live")[0] == 200
+        status, headers, doc = srv.get(f"/v2/models/{NAME}/ready")
+        assert status == 503 and doc["state"] == "failed"
+        assert manifest["sha256"] in doc["error"] and actual in doc["error"]
+        assert doc["error"].startswith(f"model '{NAME}' failed to load: {engine}: sha256 ")
+        assert "Retry-After" not in headers  # waiting will not fix it
+        assert srv.get("/v2/health/ready")[0] == 503
+        status, _, doc = srv.get(f"/v2/models/{NAME}")
+        assert status == 503 and actual in doc["error"]
+        assert srv.infer({"inputs": json_inputs(sample(1))})[0] == 503
+        assert srv.metric("kiln_model_ready", model=NAME) == 0.0
+        assert srv.metric("kiln_engine_load_seconds", model=NAME, stage="deserialize") is None
+    finally:
+        srv.close()
+
+
+def test_no_engine_for_this_target(built):
+    srv = ServerThread(built.cache, {"sm90": built.rel, "sm80": built.rel})
+    try:
+        assert srv.wait_loaded() is False
+        status, _, doc = srv.get(f"/v2/models/{NAME}/ready")
+        assert status == 503
+        assert doc["error"] == (
+            f"model '{NAME}' failed to load: no engine for target cpu (this pod has no GPU); "
+            f"engines exist for: sm80, sm90. Add cpu to spec.engine.targets or schedule the "
+            f"pods on nodes with a matching GPU")
+    finally:
+        srv.close()
+
+
+def test_engine_failures_turn_not_ready_then_recover(built):
+    srv = ServerThread(built.cache, {"cpu": built.rel})
+    try:
+        assert srv.wait_loaded()
+        bad = sample(1)
+        bad["token_ids"][0, 0] = 99  # outside the 10-row embedding: ONNX Runtime fails
+        for _ in range(3):
+            status, _, doc = srv.infer({"inputs": json_inputs(bad)})
+            assert status == 500
+            assert doc["error"].startswith("inference failed: execution failed after 3 attempts")
+        status, _, doc = srv.get(f"/v2/models/{NAME}/ready")
+        assert (status, doc["state"]) == (503, "unhealthy")
+        assert srv.get("/v2/health/ready")[0] == 503
+        assert srv.get("/v2/health/live")[0] == 200
+        assert srv.metric("kiln_requests_total", model=NAME, outcome="error") == 3.0
+        # Traffic that still arrives is served; a successful batch makes it ready again.
+        status, _, doc = srv.infer({"inputs": json_inputs(sample(2))})
+        assert status == 200, doc
+        assert srv.get(f"/v2/models/{NAME}/ready")[0] == 200
+        assert srv.metric("kiln_model_ready", model=NAME) == 1.0
+    finally:
+        srv.close()
+
+
+# -- `kiln serve`, the runtime pod's command ---------------------------------------------
+
+KILN = Path(sys.executable).parent / "kiln"
+
+
+class Process:
+    """A `kiln` subprocess whose stderr (the log) is collected as it arrives."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.proc = subprocess.Popen([str(KILN), *args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, cwd=cwd)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, pattern: str, timeout: float = 20) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in the log:\n" + "\n".join(self.lines))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(5)
+        self._reader.join(5)
+
+
+def test_kiln_serve_drains_an_in_flight_request_on_sigterm(built, tmp_path):
+    runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000}}
+    p = Process(["serve", "--model-name", NAME, "--model-version", "1", "--cache-dir",
+                 str(built.cache), "--engine", f"cpu={built.rel}", "--runtime-spec",
+                 json.dumps(runtime), "--host", "127.0.0.1", "--port", "0",
+                 "--drain-seconds", "10"], tmp_path)
+    try:
+        port = int(p.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+        client = ServerThread.__new__(ServerThread)  # only its HTTP client half
+        client.port = port
+        deadline = time.monotonic() + 20
+        while client.get("/v2/health/ready")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        inputs = sample(2, seed=5)
+        result = []
+        sender = threading.Thread(
+            target=lambda: result.append(client.infer({"inputs": json_inputs(inputs)})))
+        sender.start()
+        time.sleep(0.4)  # the request now waits in the batching queue (1.5 s delay)
+        p.proc.send_signal(signal.SIGTERM)
+        p.wait_for(r"draining: 1 request\(s\) in flight")
+        status, headers, doc = client.get("/v2/health/ready")
+        assert (status, doc["error"]) == (503, "the server is shutting down")
+        status, headers, doc = client.infer({"inputs": json_inputs(sample(1))})
+        assert status == 503 and "Retry-After" in headers
+        assert doc["error"] == "the server is shutting down; retry on another replica"
+
+        sender.join(10)
+        status, _, doc = result[0]
+        assert status == 200, doc
+        outputs = {o["name"]: o["data"] for o in decode_infer_response(
+            json.dumps(doc).encode(), None)["outputs"]}
+        assert_matches(outputs, built.expected(inputs))
+        assert p.proc.wait(15) == 0
+    finally:
+        p.stop()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--engine", "nonsense"],
+     "kiln serve: --engine 'nonsense': expected TARGET=RELPATH, for example "
+     "sm90=default/resnet/3f2a…"),
+    (["--engine", "cpu=a/b/c", "--runtime-spec", "[1]"],
+     "kiln serve: --runtime-spec must be a JSON object (spec.runtime)"),
+    (["--engine", "cpu=/abs/path"],
+     "kiln serve: engine path '/abs/path' for cpu must be relative to the cache directory "
+     "and stay inside it"),
+])
+def test_kiln_serve_rejects_bad_flags(tmp_path, flags, message):
+    proc = subprocess.run([str(KILN), "serve", "--model-name", "m", *flags], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == message
