@@ -251,7 +251,7 @@ class ServedModel:
         self.metrics.model_info.labels(model=self.name, version=self.version,
                                        engine_key=manifest.key, backend=manifest.backend,
                                        target=self.target).set(1)
-        if self.target != CPU_TARGET:
+        if normalize_target(detected) != CPU_TARGET:  # a GPU node, whichever engine it serves
             self._register_gpu_metrics()
 
         t = self._clock()
