@@ -1,0 +1,35 @@
+"""The operator's configuration: what is not in an InferenceModel's spec.
+
+Filled from `kiln operator` flags (see `kiln.operator.main`); the builders and the
+reconciler only read it. Frozen, so a test can build one and share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_BACKEND_VERSIONS = {"tensorrt": "10.13.0", "onnxruntime": "1.32.0"}
+DEFAULT_BUILDER_IMAGE = "ghcr.io/kiln-dev/kiln-runtime:0.1.0"
+DEFAULT_RUNTIME_IMAGE = "ghcr.io/kiln-dev/kiln-runtime:0.1.0"
+DEFAULT_CACHE_CLAIM = "kiln-engine-cache"
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    backend_versions: dict[str, str] = dataclasses.field(default_factory=lambda: dict(DEFAULT_BACKEND_VERSIONS))
+    default_targets: tuple[str, ...] = ("sm90",)  # tensorrt; onnxruntime always defaults to ("cpu",)
+    builder_image: str = DEFAULT_BUILDER_IMAGE
+    runtime_image: str = DEFAULT_RUNTIME_IMAGE
+    cache_claim: str = DEFAULT_CACHE_CLAIM
+    resync_seconds: float = 300.0  # the timer: a level-triggered safety net, not the main path
+    retry_seconds: float = 5.0  # TemporaryError delay while waiting on something we cannot watch
+    startup_budget_seconds: int = 600  # startup probe budget when no load time was measured
+    operator_name: str = "kiln-operator"
+
+    def backend_version(self, backend: str) -> str:
+        try:
+            return self.backend_versions[backend]
+        except KeyError:
+            raise ValueError(f"no version configured for backend {backend!r} "
+                             f"(known: {', '.join(sorted(self.backend_versions))}); "
+                             f"start the operator with --backend-version {backend}=<version>") from None

@@ -1,0 +1,207 @@
+"""kopf wiring, and nothing else: every handler calls `reconcile.reconcile()`.
+
+- InferenceModels: create / update / resume, and a resync timer (a level-triggered safety
+  net with a long interval; it reads only in-memory indexes, so an idle tick costs no
+  API call unless something drifted).
+- What Kiln owns is watched through kopf indexes (in-memory views, filtered server-side
+  with label/field selectors set in main.py): build Jobs and their pods, runtime
+  Deployments and Services, the engine-index ConfigMaps. `reconcile()` reads these
+  instead of the API.
+- A watch event on a build Job or its pod reconciles every model that needs that Job
+  (found through the `kiln_models_by_job` index, so models that share a Job without
+  owning it are woken too); an event on a runtime Deployment reconciles its model. That
+  is how a finished build is acted on within a second, without polling.
+
+Handlers are registered on an explicit registry by `register()`, so the timer interval
+comes from configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import kopf
+
+from kiln.operator import builders as b
+from kiln.operator import reconcile as rec
+
+logger = logging.getLogger("kiln.operator.handlers")
+
+MODELS = ("kiln.dev", "v1alpha1", "inferencemodels")
+JOBS = ("batch", "v1", "jobs")
+PODS = ("", "v1", "pods")
+DEPLOYMENTS = ("apps", "v1", "deployments")
+SERVICES = ("", "v1", "services")
+CONFIGMAPS = ("", "v1", "configmaps")
+
+# Server-side selectors for the watch streams (main.py puts them into kopf's settings); the
+# same filters repeat client-side on the handlers, in case a selector is not honoured.
+LABEL_SELECTORS = {
+    JOBS: b.LABEL_KEY,
+    PODS: b.LABEL_KEY,
+    DEPLOYMENTS: "app.kubernetes.io/managed-by=kiln",
+    SERVICES: "app.kubernetes.io/managed-by=kiln",
+}
+FIELD_SELECTORS = {CONFIGMAPS: f"metadata.name={b.ENGINE_INDEX}"}
+KILN = {"app.kubernetes.io/managed-by": "kiln"}
+
+
+# ------------------------------------------------------------------------ indexes
+
+# The indexes keep only what reconcile() reads, so memory stays flat at hundreds of models
+# (managedFields, kopf's own annotations and pod specs are the bulk of an object).
+DROP_ANNOTATIONS = ("kiln.dev/last-handled-configuration", "kubectl.kubernetes.io/last-applied-configuration")
+
+
+def _meta(body: Mapping[str, Any]) -> dict:
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    if meta.get("annotations"):
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k not in DROP_ANNOTATIONS}
+    return meta
+
+
+def kiln_models(namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> dict:
+    slim = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": _meta(body),
+            "spec": dict(body.get("spec") or {}), "status": dict(body.get("status") or {})}
+    return {(namespace, name): slim}
+
+
+def kiln_models_by_job(namespace: str, name: str, uid: str, spec: Mapping[str, Any], memo: Any, **_: Any) -> dict:
+    """Which models need which build Job (so a Job event can wake all of them)."""
+    try:
+        _, _, engines = memo.ctx.plan(uid, dict(spec))
+    except (ValueError, KeyError, TypeError):
+        return {}
+    return {(namespace, e.job_name): name for e in engines}
+
+
+def kiln_jobs(namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> dict:
+    return {(namespace, name): {"metadata": _meta(body), "status": dict(body.get("status") or {})}}
+
+
+def kiln_build_pods(namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], **_: Any) -> dict:
+    job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
+    status = body.get("status") or {}
+    slim = {"metadata": _meta(body), "status": {"containerStatuses": status.get("containerStatuses") or []}}
+    return {(namespace, job): slim} if job else {}
+
+
+def kiln_deployments(namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> dict:
+    spec = body.get("spec") or {}
+    template = spec.get("template") or {}
+    slim_spec = {"template": {"metadata": dict(template.get("metadata") or {})}}  # the pod spec is in kiln.dev/applied
+    if "replicas" in spec:
+        slim_spec["replicas"] = spec["replicas"]
+    return {(namespace, name): {"metadata": _meta(body), "spec": slim_spec, "status": dict(body.get("status") or {})}}
+
+
+def kiln_services(namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> dict:
+    return {(namespace, name): {"metadata": _meta(body)}}
+
+
+def kiln_engine_index(namespace: str, body: Mapping[str, Any], **_: Any) -> dict:
+    return {namespace: dict(body.get("data") or {})}
+
+
+def _one(index: Any, key: Any) -> Any:
+    if key in index:
+        for value in index[key]:
+            return value
+    return None
+
+
+def views(kw: Mapping[str, Any]) -> rec.Views:
+    """Views over the kopf indexes a handler received as keyword arguments."""
+    jobs, pods, deps, svcs, cms = (kw["kiln_jobs"], kw["kiln_build_pods"], kw["kiln_deployments"],
+                                   kw["kiln_services"], kw["kiln_engine_index"])
+    return rec.Views(
+        job=lambda ns, name: _one(jobs, (ns, name)),
+        pods=lambda ns, job: list(pods[(ns, job)]) if (ns, job) in pods else [],
+        deployment=lambda ns, name: _one(deps, (ns, name)),
+        service=lambda ns, name: _one(svcs, (ns, name)),
+        engine_index=lambda ns: _one(cms, ns) or {},
+    )
+
+
+# ------------------------------------------------------------------------ handlers
+
+async def on_model(body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
+    """create / update / resume: reconcile; kopf retries on TemporaryError, stops on PermanentError."""
+    await rec.reconcile(memo.ctx, dict(body), views(kw))
+
+
+async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
+    """The timer: the same reconcile; failures are logged and left to the next tick."""
+    try:
+        await rec.reconcile(memo.ctx, dict(body), views(kw))
+    except (kopf.TemporaryError, kopf.PermanentError) as e:
+        logger.debug(f"resync: {e}")
+
+
+async def on_model_deleted(uid: str, memo: Any, **_: Any) -> None:
+    memo.ctx.forget(uid)  # the owned objects go by ownerReferences (the garbage collector)
+
+
+async def _reconcile_models(names: list[tuple[str, str]], memo: Any, kw: Mapping[str, Any],
+                            log: logging.Logger) -> None:
+    models = kw["kiln_models"]
+    v = views(kw)
+    for ns, name in names:
+        model = _one(models, (ns, name))
+        if model is None:
+            continue
+        try:
+            await rec.reconcile(memo.ctx, model, v)
+        except (kopf.TemporaryError, kopf.PermanentError) as e:
+            log.debug(f"reconcile of {ns}/{name} after a watch event: {e}")
+
+
+async def _wake_models_of_job(namespace: str, job: str, memo: Any, kw: Mapping[str, Any],
+                              log: logging.Logger) -> None:
+    needs = kw["kiln_models_by_job"]
+    names = sorted({(namespace, m) for m in needs[(namespace, job)]}) if (namespace, job) in needs else []
+    await _reconcile_models(names, memo, kw, log)
+
+
+async def on_job_event(namespace: str, name: str, memo: Any, logger: logging.Logger, **kw: Any) -> None:
+    await _wake_models_of_job(namespace, name, memo, kw, logger)
+
+
+async def on_build_pod_event(namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], memo: Any,
+                             logger: logging.Logger, **kw: Any) -> None:
+    terminated = any((cs.get("state") or {}).get("terminated")
+                     for cs in (body.get("status") or {}).get("containerStatuses") or ())
+    job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
+    if not terminated or not job:
+        return  # only a finished build pod carries news (its termination message)
+    await _wake_models_of_job(namespace, job, memo, kw, logger)
+
+
+async def on_deployment_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
+                              **kw: Any) -> None:
+    model = labels.get(b.LABEL_MODEL)
+    if model:
+        await _reconcile_models([(namespace, model)], memo, kw, logger)
+
+
+def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.OperatorRegistry:
+    kopf.index(*MODELS, registry=registry)(kiln_models)
+    kopf.index(*MODELS, registry=registry)(kiln_models_by_job)
+    kopf.index(*JOBS, labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs)
+    kopf.index(*PODS, labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_build_pods)
+    kopf.index(*DEPLOYMENTS, labels=KILN, registry=registry)(kiln_deployments)
+    kopf.index(*SERVICES, labels=KILN, registry=registry)(kiln_services)
+    kopf.index(*CONFIGMAPS, field="metadata.name", value=b.ENGINE_INDEX, registry=registry)(kiln_engine_index)
+
+    kopf.on.create(*MODELS, id="reconcile", registry=registry)(on_model)
+    kopf.on.update(*MODELS, id="reconcile", field="spec", registry=registry)(on_model)
+    kopf.on.resume(*MODELS, id="reconcile", registry=registry)(on_model)
+    kopf.on.delete(*MODELS, id="forget", optional=True, registry=registry)(on_model_deleted)
+    kopf.timer(*MODELS, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
+               registry=registry)(on_resync)
+
+    kopf.on.event(*JOBS, id="job", labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
+    kopf.on.event(*PODS, id="build-pod", labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
+    kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_deployment_event)
+    return registry

@@ -1,0 +1,196 @@
+"""The one module that calls the Kubernetes API (besides kopf's own watching).
+
+Built on the official `kubernetes` client's ApiClient (its configuration, auth and
+connection pool) with plain JSON bodies in and out: the operator's builders produce
+dicts, and the generated model classes would drop fields they do not know. Calls run in
+a thread (`asyncio.to_thread`), so they never block kopf's event loop.
+
+- `create` answers the existing object on 409: creating is idempotent.
+- Patches are JSON merge patches (RFC 7386); a `resourceVersion` in the patch makes it
+  conditional (409 on a concurrent change).
+- `delete` treats 404 as done.
+- Every call is counted (`calls`), so tests and benchmarks can see what reconciling costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+import json
+import logging
+import os
+import uuid
+from typing import Any, Mapping
+
+logger = logging.getLogger("kiln.operator.kube")
+
+MERGE_PATCH = "application/merge-patch+json"
+
+# kind -> (apiVersion, plural, namespaced) for everything the operator writes or reads.
+KINDS: dict[str, tuple[str, str, bool]] = {
+    "InferenceModel": ("kiln.dev/v1alpha1", "inferencemodels", True),
+    "Job": ("batch/v1", "jobs", True),
+    "Pod": ("v1", "pods", True),
+    "Deployment": ("apps/v1", "deployments", True),
+    "Service": ("v1", "services", True),
+    "ConfigMap": ("v1", "configmaps", True),
+    "Event": ("v1", "events", True),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def path_for(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+    api_version, plural, namespaced = KINDS[kind]
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespaced and namespace:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{name}"
+    if subresource:
+        base += f"/{subresource}"
+    return base
+
+
+def load_configuration(kubeconfig: str | None = None) -> Any:
+    """The client configuration: the in-cluster service account, else the kubeconfig.
+
+    The kubeconfig path is read now ($KUBECONFIG when none is given), not when the
+    kubernetes package was imported (its default location is frozen at import).
+    """
+    import kubernetes
+
+    configuration = kubernetes.client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG") or None
+    try:
+        if path:
+            raise kubernetes.config.ConfigException("a kubeconfig is given")
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=configuration)
+    return configuration
+
+
+def load_client(kubeconfig: str | None = None) -> Any:
+    import kubernetes
+
+    configuration = load_configuration(kubeconfig)
+    configuration.connection_pool_maxsize = 32
+    return kubernetes.client.ApiClient(configuration)
+
+
+def connection_info(kubeconfig: str | None = None) -> Any:
+    """kopf's credentials from the same configuration the client uses (a kopf login handler)."""
+    import kopf
+
+    cfg = load_configuration(kubeconfig)
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+                               username=cfg.username or None, password=cfg.password or None, scheme=scheme,
+                               token=token, certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
+
+
+class Kube:
+    def __init__(self, api_client: Any, component: str = "kiln-operator") -> None:
+        self.client = api_client
+        self.component = component
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    # ---- transport
+
+    def _request_sync(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+                      content_type: str | None = None) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        elif body is not None:
+            headers["Content-Type"] = "application/json"
+        m, url, hdrs, b, post = self.client.param_serialize(
+            method=method, resource_path=path, query_params=query or [], header_params=headers, body=body,
+            auth_settings=["BearerToken"])
+        resp = self.client.call_api(m, url, header_params=hdrs, body=b, post_params=post, _request_timeout=(5, 30))
+        resp.read()
+        data = resp.data or b""
+        try:
+            payload = json.loads(data) if data else {}
+        except ValueError:
+            payload = {"message": data.decode(errors="replace")}
+        if not 200 <= resp.status < 300:
+            raise ApiError(resp.status, str(payload.get("reason") or resp.reason or ""), str(payload.get("message") or ""))
+        return payload
+
+    async def request(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+                      content_type: str | None = None) -> dict[str, Any]:
+        self.calls[method] += 1
+        return await asyncio.to_thread(self._request_sync, method, path, body, query, content_type)
+
+    # ---- verbs
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", path_for(kind, namespace, name))
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def create(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create `obj`; on 409 answer the existing object. Returns (object, created)."""
+        meta = obj["metadata"]
+        try:
+            return await self.request("POST", path_for(obj["kind"], meta.get("namespace")), body=dict(obj)), True
+        except ApiError as e:
+            if e.status != 409:
+                raise
+        existing = await self.get(obj["kind"], meta.get("namespace"), meta["name"])
+        if existing is None:  # deleted in between: the caller's next pass creates it
+            raise ApiError(409, "Conflict", f"{obj['kind']} {meta['name']} exists but could not be read")
+        return existing, False
+
+    async def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any],
+                    subresource: str | None = None) -> dict[str, Any]:
+        return await self.request("PATCH", path_for(kind, namespace, name, subresource), body=dict(patch),
+                                  content_type=MERGE_PATCH)
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            await self.request("DELETE", path_for(kind, namespace, name), body=body)
+            return True
+        except ApiError as e:
+            if e.status in (404, 409):  # gone already, or a newer object took the name
+                return False
+            raise
+
+    async def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str,
+                    now: datetime.datetime | None = None) -> None:
+        """Post a core/v1 Event about `involved` (Normal or Warning). Failures are logged, not raised."""
+        meta = involved["metadata"]
+        now = now or datetime.datetime.now(datetime.timezone.utc)
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        micro = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid"),
+                               "resourceVersion": meta.get("resourceVersion")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": self.component}, "reportingComponent": self.component,
+            "reportingInstance": self.component, "action": reason,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "eventTime": micro, "count": 1,
+        }
+        try:
+            await self.request("POST", path_for("Event", meta["namespace"]), body=body)
+        except Exception as e:  # an event is worth a log line, never a failed reconcile
+            logger.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)

@@ -1,0 +1,164 @@
+"""Run the Kiln operator (kopf): build engines, deploy runtimes, keep status.
+
+Configuration that is not in an InferenceModel's spec comes from flags: backend versions
+(they are part of every engine key), default targets, images, the cache claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from kiln.operator.config import (DEFAULT_BACKEND_VERSIONS, DEFAULT_BUILDER_IMAGE, DEFAULT_CACHE_CLAIM,
+                                  DEFAULT_RUNTIME_IMAGE, OperatorConfig)
+
+# Decisions on kopf's settings (docs/architecture.md explains them):
+WATCH_SERVER_TIMEOUT = 600  # seconds; bounded server-side, so a silently dead stream is renewed
+WATCH_CLIENT_TIMEOUT = 660
+PROGRESS_PREFIX = "kiln.dev"  # kopf's progress and diff-base live in annotations under kiln.dev/
+
+
+def _backend_version(text: str) -> tuple[str, str]:
+    name, sep, version = text.partition("=")
+    if not sep or not name or not version:
+        raise argparse.ArgumentTypeError(f"expected BACKEND=VERSION (e.g. tensorrt=10.13.0), got {text!r}")
+    return name, version
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="serve InferenceModels in this namespace (repeatable; globs allowed)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="serve the whole cluster (default)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                        help="kopf liveness endpoint (empty to disable)")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", default=None, metavar="NAME",
+                         help="kopf peering object for leader election among replicas (default: kopf's "
+                              "'default' peering when its CRD is installed, else standalone)")
+    peering.add_argument("--standalone", action="store_true", help="no peering: the only replica")
+    parser.add_argument("--backend-version", action="append", type=_backend_version, default=[],
+                        metavar="BACKEND=VERSION",
+                        help="engine backend version, part of every engine key (defaults: "
+                             + ", ".join(f"{k}={v}" for k, v in DEFAULT_BACKEND_VERSIONS.items()) + ")")
+    parser.add_argument("--default-target", "--default-targets", action="append", default=[], metavar="TARGET",
+                        help="GPU architecture or product to build tensorrt engines for when "
+                             "spec.engine.targets is empty (repeatable or comma-separated; default sm90; "
+                             "onnxruntime: cpu)")
+    parser.add_argument("--builder-image", default=DEFAULT_BUILDER_IMAGE, help="image of the build Jobs")
+    parser.add_argument("--runtime-image", default=DEFAULT_RUNTIME_IMAGE, help="image of the runtime pods")
+    parser.add_argument("--cache-claim", default=DEFAULT_CACHE_CLAIM,
+                        help="engine cache PVC when spec.cache.claimName is empty")
+    parser.add_argument("--resync-seconds", type=float, default=300.0,
+                        help="interval of the level-triggered resync timer per model")
+    parser.add_argument("--retry-seconds", type=float, default=5.0,
+                        help="retry delay while waiting on something that cannot be watched")
+    parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    versions = dict(DEFAULT_BACKEND_VERSIONS)
+    versions.update(dict(args.backend_version))
+    return OperatorConfig(
+        backend_versions=versions,
+        default_targets=tuple(t.strip() for arg in args.default_target for t in arg.split(",") if t.strip())
+        or ("sm90",),
+        builder_image=args.builder_image,
+        runtime_image=args.runtime_image,
+        cache_claim=args.cache_claim,
+        resync_seconds=args.resync_seconds,
+        retry_seconds=args.retry_seconds,
+    )
+
+
+def settings(verbose: bool = False) -> Any:
+    """kopf settings, decided once (see module constants)."""
+    import kopf
+
+    from kiln.operator import handlers
+
+    s = kopf.OperatorSettings()
+    # Kiln posts its own Events (BuildStarted, Available, ...); kopf posts only its warnings
+    # and errors (a crashed handler), not a "Handler succeeded" per reconcile.
+    s.posting.level = logging.WARNING
+    # No status.kopf (the CRD's status schema would prune it): progress and the diff-base
+    # are annotations, kiln.dev/reconcile and kiln.dev/last-handled-configuration.
+    # The resync timer makes kopf put a finalizer on each model (to stop the timer before the
+    # object goes); name it after Kiln. Owned objects go by ownerReferences, not by handlers.
+    s.persistence.finalizer = "kiln.dev/finalizer"
+    s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
+    s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PROGRESS_PREFIX, key="last-handled-configuration")
+    s.watching.server_timeout = WATCH_SERVER_TIMEOUT
+    s.watching.client_timeout = WATCH_CLIENT_TIMEOUT
+    s.watching.connect_timeout = 30
+    for resource, selector in handlers.LABEL_SELECTORS.items():
+        s.watching.label_selectors[resource] = selector
+    for resource, selector in handlers.FIELD_SELECTORS.items():
+        s.watching.field_selectors[resource] = selector
+    s.networking.request_timeout = 60
+    s.execution.max_workers = 8  # the kubernetes client's threads (asyncio.to_thread uses its own pool)
+    s.queueing.error_delays = (1, 2, 5, 10, 30)
+    return s
+
+
+async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, standalone: bool = True,
+                peering: str | None = None, liveness: str | None = None, kubeconfig: str | None = None,
+                verbose: bool = False, ready_flag: Any = None, stop_flag: Any = None,
+                kube: Any = None) -> None:
+    """Run the operator in the current event loop until `stop_flag` (tests use this directly)."""
+    import kopf
+
+    from kiln.operator import handlers, kube as kubemod, reconcile
+
+    if kube is None:
+        kube = kubemod.Kube(kubemod.load_client(kubeconfig), component=config.operator_name)
+    ctx = reconcile.Context(config=config, kube=kube)
+    registry = handlers.register(kopf.OperatorRegistry(), config.resync_seconds)
+    # An explicit registry has no implicit login: kopf gets the credentials the operator's
+    # client uses (in-cluster service account, else the kubeconfig).
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> Any:
+        return kubemod.connection_info(kubeconfig)
+
+    await kopf.operator(
+        registry=registry,
+        settings=settings(verbose),
+        standalone=standalone,
+        peering_name=peering,
+        liveness_endpoint=liveness or None,
+        clusterwide=not namespaces,
+        namespaces=namespaces or (),
+        memo=kopf.Memo(ctx=ctx),
+        ready_flag=ready_flag,
+        stop_flag=stop_flag,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    import sys
+
+    import kopf
+
+    from kiln.runtime import enginekey
+
+    config = config_from_args(args)
+    try:
+        for target in config.default_targets:
+            enginekey.normalize_target(target)
+    except ValueError as e:
+        print(f"kiln operator: --default-target: {e}", file=sys.stderr)
+        return 2
+
+    kopf.configure(debug=args.verbose, verbose=args.verbose)
+    logging.getLogger("kiln").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if args.kubeconfig:  # read by kopf's login and by the kubernetes client alike
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    asyncio.run(serve(config, namespaces=args.namespace or None, standalone=args.standalone,
+                      peering=args.peering, liveness=args.liveness, kubeconfig=args.kubeconfig,
+                      verbose=args.verbose))
+    return 0

@@ -1,0 +1,315 @@
+"""Pure builders: spec in, manifest out. One class per builder; golden checks of key fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.operator import builders as b
+from kiln.operator.config import OperatorConfig
+from kiln.runtime import enginekey
+from kiln.runtime import spec as specmod
+
+CONFIG = OperatorConfig(builder_image="registry.example/kiln:1", runtime_image="registry.example/kiln:1")
+MODEL = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+         "metadata": {"name": "resnet50", "namespace": "vision", "uid": "u-1", "generation": 3}}
+
+
+def spec(**over) -> dict:
+    s = {"model": {"uri": "pvc://models/resnet50/v1.7/resnet50.onnx", "version": "v1.7", "sha256": "3f" * 32},
+         "engine": {"backend": "tensorrt", "precision": "fp16", "workspaceMiB": 4096,
+                    "profiles": [{"input": "input", "min": [1, 3, 224, 224], "opt": [16, 3, 224, 224],
+                                  "max": [32, 3, 224, 224]}]},
+         "runtime": {"replicas": 2}}
+    for k, v in over.items():
+        s[k] = {**s.get(k, {}), **v}
+    return specmod.apply_defaults(s)
+
+
+class TestPlanEngines:
+    def test_default_target_and_key_from_enginekey(self):
+        [e] = b.plan_engines(spec(), CONFIG)
+        s = spec()
+        assert (e.target, e.architecture) == ("sm90", "sm90")
+        assert e.key == enginekey.key_inputs(s["model"], s["engine"], "sm90", "10.13.0").key
+        assert e.job_name == f"kiln-build-{e.key}-sm90" and len(e.job_name) <= 63
+
+    def test_products_collapse_to_distinct_architectures(self):
+        engines = b.plan_engines(spec(engine={"targets": ["H100", "A100", "H200", "9.0", "L4"]}), CONFIG)
+        assert [(e.target, e.architecture) for e in engines] == [("H100", "sm90"), ("A100", "sm80"), ("L4", "sm89")]
+        assert len({e.key for e in engines}) == 3
+
+    def test_onnxruntime_defaults_to_cpu(self):
+        [e] = b.plan_engines(spec(engine={"backend": "onnxruntime"}), CONFIG)
+        assert (e.architecture, e.backend_version) == ("cpu", "1.32.0")
+
+    def test_backend_version_is_part_of_the_key(self):
+        [old] = b.plan_engines(spec(), CONFIG)
+        [new] = b.plan_engines(spec(), OperatorConfig(backend_versions={"tensorrt": "10.14.0"}))
+        assert old.key != new.key
+
+    @pytest.mark.parametrize("targets,needle", [(["Z9000"], "unknown target"), (["cpu"], "cannot build for")])
+    def test_targets_that_cannot_work(self, targets, needle):
+        with pytest.raises(ValueError, match=needle):
+            b.plan_engines(spec(engine={"targets": targets}), CONFIG)
+
+
+class TestBuildJob:
+    def job(self, **over):
+        s = spec(**over)
+        return b.build_job(MODEL, s, b.plan_engines(s, CONFIG)[0], CONFIG)
+
+    def test_identity_labels_and_owner(self):
+        job = self.job()
+        key = b.plan_engines(spec(), CONFIG)[0].key
+        assert job["metadata"]["name"] == f"kiln-build-{key}-sm90"
+        labels = job["metadata"]["labels"]
+        assert labels[b.LABEL_KEY] == key and labels[b.LABEL_TARGET] == "sm90"
+        assert labels["app.kubernetes.io/managed-by"] == "kiln"
+        assert job["spec"]["template"]["metadata"]["labels"] == labels
+        assert job["metadata"]["ownerReferences"] == [{"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+                                                       "name": "resnet50", "uid": "u-1", "controller": True,
+                                                       "blockOwnerDeletion": True}]
+        assert job["metadata"]["annotations"][b.ANN_GENERATION] == "3"
+
+    def test_limits_and_placement_defaults(self):
+        job = self.job()
+        assert (job["spec"]["activeDeadlineSeconds"], job["spec"]["backoffLimit"],
+                job["spec"]["ttlSecondsAfterFinished"]) == (3600, 1, 86400)
+        pod = job["spec"]["template"]["spec"]
+        assert pod["restartPolicy"] == "Never"
+        assert pod["nodeSelector"] == {"kiln.dev/role": "builder"}
+        assert pod["tolerations"] == [{"key": "kiln.dev/role", "operator": "Equal", "value": "builder",
+                                       "effect": "NoSchedule"}]
+        assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+    def test_spec_overrides(self):
+        job = self.job(build={"timeoutSeconds": 5400, "backoffLimit": 0, "nodeSelector": {"pool": "b"},
+                              "tolerations": [], "resources": {"limits": {"nvidia.com/gpu": 2}}})
+        pod = job["spec"]["template"]["spec"]
+        assert (job["spec"]["activeDeadlineSeconds"], job["spec"]["backoffLimit"]) == (5400, 0)
+        assert pod["nodeSelector"] == {"pool": "b"} and pod["tolerations"] == []
+        assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+
+    def test_container_contract(self):
+        c = self.job()["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"] == ["kiln"]
+        assert c["args"][0] == "build" and c["args"][-4:] == ["--cache-dir", "/var/cache/kiln", "--pvc-root",
+                                                               "/mnt/models"]
+        req = json.loads(c["args"][2])
+        e = b.plan_engines(spec(), CONFIG)[0]
+        assert req == {"namespace": "vision", "name": "resnet50",
+                       "model": {"uri": "pvc://models/resnet50/v1.7/resnet50.onnx", "version": "v1.7",
+                                 "sha256": "3f" * 32},
+                       "engine": {"backend": "tensorrt", "precision": "fp16", "workspaceMiB": 4096,
+                                  "profiles": spec()["engine"]["profiles"]},
+                       "target": "sm90", "key": e.key}
+        assert (c["terminationMessagePath"], c["terminationMessagePolicy"]) == ("/dev/termination-log",
+                                                                                "FallbackToLogsOnError")
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                        "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+    def test_volumes_cache_rw_and_pvc_source_ro(self):
+        pod = self.job(cache={"claimName": "team-cache"})["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["cache"] == {"name": "cache", "mountPath": "/var/cache/kiln"}
+        assert mounts["model-source"] == {"name": "model-source", "mountPath": "/mnt/models/models", "readOnly": True}
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["cache"]["persistentVolumeClaim"] == {"claimName": "team-cache"}
+        assert vols["model-source"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+
+    def test_https_source_mounts_no_model_claim(self):
+        pod = self.job(model={"uri": "https://example.com/m.onnx"})["spec"]["template"]["spec"]
+        assert "model-source" not in {v["name"] for v in pod["volumes"]}
+
+    def test_cpu_backend_asks_no_gpu(self):
+        pod = self.job(engine={"backend": "onnxruntime"})["spec"]["template"]["spec"]
+        assert "nvidia.com/gpu" not in json.dumps(pod["containers"][0]["resources"])
+
+
+class TestJobOutcome:
+    def pod(self, message, exit_code=0):
+        return {"status": {"containerStatuses": [{"name": "build", "state": {"terminated": {
+            "exitCode": exit_code, "message": message, "finishedAt": "2026-01-01T00:00:00Z"}}}]}}
+
+    def test_job_state(self):
+        assert b.job_state({}).phase == "Active"
+        assert b.job_state({"status": {"conditions": [{"type": "Complete", "status": "True"}]}}).phase == "Succeeded"
+        failed = b.job_state({"status": {"conditions": [{"type": "Failed", "status": "True",
+                                                         "reason": "DeadlineExceeded", "message": "too long"}]}})
+        assert (failed.phase, failed.reason, failed.message) == ("Failed", "DeadlineExceeded", "too long")
+
+    def test_result_from_termination_message_or_log_tail(self):
+        ok = {"ok": True, "key": "k", "path": "a/b/k"}
+        assert b.termination_result([self.pod(json.dumps(ok))]) == ok
+        assert b.termination_result([self.pod("building...\nstill\n" + json.dumps(ok))]) == ok
+        assert b.termination_result([self.pod("")]) is None
+        assert b.termination_result([]) is None
+
+    def test_failure_message_names_reason_and_job_condition(self):
+        pod = self.pod(json.dumps({"ok": False, "reason": "DigestMismatch", "message": "got 12ab"}), exit_code=4)
+        reason, message = b.failure_message(b.JobState("Failed", "BackoffLimitExceeded", "limit"), [pod])
+        assert reason == "BuildFailed"
+        assert message == "DigestMismatch: got 12ab; Job BackoffLimitExceeded: limit"
+
+    def test_failure_without_json_uses_the_exit_code(self):
+        reason, message = b.failure_message(b.JobState("Failed", "BackoffLimitExceeded"), [self.pod("OOM", 7)])
+        assert message.startswith("exit code 7 (OutOfDisk): OOM")
+
+
+class TestRuntimeDeployment:
+    def deployment(self, results=None, include_replicas=True, **over):
+        s = spec(**over)
+        engines = b.plan_engines(s, CONFIG)
+        results = results if results is not None else {
+            e.index_key: {"path": f"vision/resnet50/{e.key}"} for e in engines}
+        return b.runtime_deployment(MODEL, s, engines, results, CONFIG, include_replicas=include_replicas), engines
+
+    def test_args_contract(self):
+        dep, [e] = self.deployment()
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["args"][:8] == ["serve", "--model-name", "resnet50", "--model-version", "v1.7", "--cache-dir",
+                                 "/var/cache/kiln", "--engine"]
+        assert c["args"][8] == f"sm90=vision/resnet50/{e.key}"
+        runtime = {k: v for k, v in spec()["runtime"].items() if k != "replicas"}
+        assert json.loads(c["args"][c["args"].index("--runtime-spec") + 1]) == runtime
+        assert c["args"][-2:] == ["--port", "8080"]
+
+    def test_one_engine_flag_per_architecture(self):
+        dep, engines = self.deployment(engine={"targets": ["A100", "H100"]})
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert [args[i + 1] for i, a in enumerate(args) if a == "--engine"] == [
+            f"sm80=vision/resnet50/{engines[0].key}", f"sm90=vision/resnet50/{engines[1].key}"]
+
+    def test_probes_and_startup_budget(self):
+        dep, _ = self.deployment()
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["startupProbe"]["httpGet"] == {"path": "/v2/models/resnet50/ready", "port": "http"}
+        assert c["readinessProbe"]["httpGet"]["path"] == "/v2/models/resnet50/ready"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
+        [e] = b.plan_engines(spec(), CONFIG)
+        measured, _ = self.deployment(results={e.index_key: {"path": "p", "loadSeconds": 12.5}})
+        probe = measured["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] == 60  # 3 x 12.5 s, at least 60 s
+
+    def test_security_and_volumes(self):
+        dep, _ = self.deployment()
+        pod = dep["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                        "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+        assert {"name": "cache", "mountPath": "/var/cache/kiln", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["cache"]["persistentVolumeClaim"] == {"claimName": "kiln-engine-cache", "readOnly": True}
+        assert vols["tmp"] == {"name": "tmp", "emptyDir": {}}
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+
+    def test_labels_annotations_selector(self):
+        dep, [e] = self.deployment()
+        tmpl = dep["spec"]["template"]["metadata"]
+        assert tmpl["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080",
+                                       "prometheus.io/path": "/metrics", b.LABEL_ENGINE_KEY: e.key}
+        assert tmpl["labels"][b.LABEL_MODEL] == "resnet50" and tmpl["labels"][b.LABEL_ENGINE_KEY] == e.key
+        assert dep["spec"]["selector"] == {"matchLabels": {b.LABEL_MODEL: "resnet50", b.LABEL_TRACK: "stable"}}
+        assert dep["metadata"]["name"] == "resnet50-runtime"
+
+    def test_replicas_left_out_when_autoscaled(self):
+        dep, _ = self.deployment()
+        assert dep["spec"]["replicas"] == 2
+        auto, _ = self.deployment(include_replicas=False, autoscaling={"enabled": True})
+        assert "replicas" not in auto["spec"]
+        assert b.desired_replicas(spec(autoscaling={"enabled": True, "minReplicas": 3})) == 3
+
+    def test_placement_passes_through(self):
+        dep, _ = self.deployment(runtime={"nodeSelector": {"gpu": "h100"},
+                                          "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]})
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+class TestRuntimeService:
+    def test_port_and_selector(self):
+        svc = b.runtime_service(MODEL, spec())
+        assert svc["metadata"]["name"] == "resnet50"
+        assert svc["spec"]["selector"] == {b.LABEL_MODEL: "resnet50"}
+        assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+
+
+class TestPatches:
+    def test_merge_patch_between_removes_and_changes(self):
+        old = {"a": 1, "b": {"c": 2, "d": 3}, "l": [1]}
+        new = {"a": 1, "b": {"c": 5}, "l": [1, 2], "e": "x"}
+        assert b.merge_patch_between(old, new) == {"b": {"c": 5, "d": None}, "l": [1, 2], "e": "x"}
+
+    def test_with_applied_records_the_manifest_and_hash(self):
+        svc = b.runtime_service(MODEL, spec())
+        applied = b.with_applied(svc)
+        ann = applied["metadata"]["annotations"]
+        assert json.loads(ann[b.ANN_APPLIED]) == svc
+        assert ann[b.ANN_APPLIED_HASH] == b.manifest_hash(svc)
+
+
+class TestComputeStatus:
+    def engines(self, state="Ready"):
+        e = b.plan_engines(spec(), CONFIG)[0]
+        result = {"path": f"vision/resnet50/{e.key}", "sha256": "ab" * 32, "sizeBytes": 10, "buildSeconds": 5.0,
+                  "cacheHit": False} if state == "Ready" else None
+        return [b.EngineObservation(e, state, result, message="boom" if state == "Failed" else "")], e
+
+    def clock(self):
+        import datetime
+        return datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+
+    def test_building(self):
+        obs, e = self.engines("Building")
+        st = b.compute_status(MODEL, spec(), obs, b.DeploymentObservation(), self.clock)
+        assert st["phase"] == "Building" and st["observedGeneration"] == 3
+        er = next(c for c in st["conditions"] if c["type"] == "EngineReady")
+        assert (er["status"], er["reason"], er["lastTransitionTime"]) == ("False", "Building", "2026-01-02T03:04:05Z")
+        assert st["engines"] == [{"key": e.key, "target": "sm90", "architecture": "sm90", "version": "v1.7"}]
+
+    def test_ready(self):
+        obs, e = self.engines()
+        dep = b.DeploymentObservation(exists=True, engine_key=e.key, current=True, replicas=2, ready=2, updated=2,
+                                      desired=2, rolled_out=True)
+        st = b.compute_status(MODEL, spec(), obs, dep, self.clock)
+        assert st["phase"] == "Ready" and st["engineKey"] == e.key
+        assert {c["type"]: c["status"] for c in st["conditions"]} == {
+            "EngineReady": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
+        assert st["stable"] == {"version": "v1.7", "engineKey": e.key, "weight": 100, "replicas": 2,
+                                "readyReplicas": 2}
+        assert st["selector"] == "kiln.dev/model=resnet50"
+
+    def test_failed_without_serving_is_failed_with_serving_is_degraded(self):
+        obs, _ = self.engines("Failed")
+        assert b.compute_status(MODEL, spec(), obs, b.DeploymentObservation(), self.clock)["phase"] == "Failed"
+        serving = b.DeploymentObservation(exists=True, engine_key="old", current=False, replicas=1, ready=1,
+                                          desired=1, updated=1, rolled_out=True)
+        st = b.compute_status(MODEL, spec(), obs, serving, self.clock)
+        assert st["phase"] == "Degraded" and st["engineKey"] == "old"
+
+    def test_replicas_missing_after_rollout_is_degraded(self):
+        obs, e = self.engines()
+        dep = b.DeploymentObservation(exists=True, engine_key=e.key, current=True, replicas=2, ready=1, updated=2,
+                                      desired=2, rolled_out=True)
+        st = b.compute_status(MODEL, spec(), obs, dep, self.clock)
+        assert st["phase"] == "Degraded"
+        assert next(c for c in st["conditions"] if c["type"] == "Degraded")["reason"] == "ReplicasUnavailable"
+
+    def test_invalid_spec(self):
+        st = b.compute_status(MODEL, spec(), [], b.DeploymentObservation(), self.clock, invalid="bad target")
+        assert st["phase"] == "Failed"
+        assert next(c for c in st["conditions"] if c["type"] == "EngineReady")["reason"] == "InvalidSpec"
+
+    def test_observe_deployment(self):
+        dep = {"metadata": {"generation": 4, "annotations": {b.ANN_APPLIED_HASH: "h"}},
+               "spec": {"replicas": 3, "template": {"metadata": {"labels": {b.LABEL_ENGINE_KEY: "k"}}}},
+               "status": {"observedGeneration": 4, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 2}}
+        o = b.observe_deployment(dep, "h")
+        assert (o.exists, o.current, o.engine_key, o.ready, o.desired, o.rolled_out) == (True, True, "k", 2, 3, True)
+        assert not b.observe_deployment(dep, "other").current
+        assert not b.observe_deployment({**dep, "status": {"observedGeneration": 3}}, "h").rolled_out

@@ -1,0 +1,337 @@
+"""The real operator (kopf + the kubernetes client) against the emulated API server.
+
+What a user would see is asserted: Jobs, Deployments, Services, ConfigMaps, the
+InferenceModel's status, Events. The emulator has no controllers, so the tests play the
+Job controller and the kubelet where the story needs them, and say so:
+
+- a build finishes: the test creates the Job's pod with a terminated `build` container
+  whose termination message is the `kiln build` result JSON, then marks the Job
+  Complete (or Failed) in its status - the order a Job controller reports them;
+- runtime pods become Ready: the test writes the Deployment's status as the Deployment
+  controller would.
+
+One operator serves the whole module (kopf's startup costs a second); each test uses its
+own namespace.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.operator import builders as b
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def model(ns: str, name: str, version: str = "1", **spec) -> dict:
+    body = {"model": {"uri": f"https://models.example.com/{name}.onnx", "version": version},
+            "engine": {"backend": "tensorrt", "precision": "fp16", "targets": ["H100"]},
+            "runtime": {"replicas": 1}}
+    for k, v in spec.items():
+        body[k] = {**body.get(k, {}), **v}
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": name, "namespace": ns}, "spec": body}
+
+
+def jobs(api, ns):
+    return api.list("Job", ns, selector=b.LABEL_KEY)
+
+
+def request_of(job: dict) -> dict:
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    return json.loads(args[args.index("--request") + 1])
+
+
+def finish_job(api, job: dict, ok: bool = True, exit_code: int = 0, result: dict | None = None,
+               job_reason: str = "BackoffLimitExceeded", job_message: str = "Job has reached the specified backoff limit"):
+    """Play the Job controller and the kubelet: the build pod terminates, then the Job finishes."""
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    req = request_of(job)
+    if result is None:
+        result = ({"ok": True, "key": req["key"], "target": req["target"],
+                   "path": f"{req['namespace']}/{req['name']}/{req['key']}", "sha256": "ab" * 32,
+                   "sizeBytes": 123456789, "buildSeconds": 241.5, "cacheHit": False, "backend": "tensorrt",
+                   "backendVersion": "10.13.0"} if ok else
+                  {"ok": False, "reason": "DigestMismatch",
+                   "message": "sha256 of https://models.example.com/x.onnx is 1234..., expected 9a0b..."})
+    pod_name = f"{name}-{job['metadata']['uid'][:5]}"
+    labels = {**job["spec"]["template"]["metadata"]["labels"], "batch.kubernetes.io/job-name": name,
+              "job-name": name}
+    api.apply({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": pod_name, "namespace": ns, "labels": labels,
+                            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
+                                                 "uid": job["metadata"]["uid"], "controller": True}]},
+               "spec": job["spec"]["template"]["spec"]})
+    api.patch("Pod", ns, pod_name, {"status": {
+        "phase": "Succeeded" if ok else "Failed",
+        "containerStatuses": [{"name": "build", "ready": False, "restartCount": 0, "image": "kiln", "imageID": "",
+                               "state": {"terminated": {"exitCode": exit_code, "reason": "Completed" if ok else "Error",
+                                                        "message": json.dumps(result),
+                                                        "finishedAt": "2026-01-01T00:04:01Z"}}}]}},
+              subresource="status")
+    cond = ({"type": "Complete", "status": "True"} if ok else
+            {"type": "Failed", "status": "True", "reason": job_reason, "message": job_message})
+    api.patch("Job", ns, name, {"status": {"conditions": [cond], "succeeded": 1 if ok else 0,
+                                           "failed": 0 if ok else 1}}, subresource="status")
+
+
+def roll_out(api, ns: str, name: str, ready: int | None = None):
+    """Play the Deployment controller: every replica updated and (by default) Ready."""
+    dep = api.get("Deployment", ns, b.runtime_name(name))
+    n = dep["spec"].get("replicas", 1)
+    ready = n if ready is None else ready
+    api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {
+        "observedGeneration": dep["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+        "readyReplicas": ready, "availableReplicas": ready}}, subresource="status")
+
+
+def status(api, ns, name) -> dict:
+    return (api.get("InferenceModel", ns, name) or {}).get("status") or {}
+
+
+def condition(st: dict, type_: str) -> dict:
+    return next((c for c in st.get("conditions") or () if c["type"] == type_), {})
+
+
+def reasons(api, ns, name) -> list[str]:
+    return [e["reason"] for e in api.events(ns, name)]
+
+
+# ------------------------------------------------------------------------ scenarios
+
+def example_manifests() -> list[dict]:
+    found = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "InferenceModel":
+                found.append(doc)
+    return found
+
+
+@pytest.mark.parametrize("manifest", example_manifests() or [model("examples", "fixture")],
+                         ids=lambda m: m["metadata"]["name"])
+def test_example_manifest_builds_one_job_per_architecture(api, operator, manifest):
+    from kiln.runtime import enginekey
+
+    m = copy.deepcopy(manifest)
+    ns = "ex-" + m["metadata"]["name"]
+    m["metadata"]["namespace"] = ns
+    api.apply(m)
+    targets = m["spec"].get("engine", {}).get("targets") or ["sm90"]
+    archs = sorted({enginekey.normalize_target(t) for t in targets})
+    found = api.wait(lambda: (lambda js: js if len(js) == len(archs) else None)(jobs(api, ns)), 10, "build Jobs")
+    assert sorted(j["metadata"]["labels"][b.LABEL_TARGET] for j in found) == archs
+    for job in found:
+        req = request_of(job)
+        assert job["metadata"]["name"] == f"kiln-build-{req['key']}-{req['target']}"
+        assert req["model"]["uri"] == m["spec"]["model"]["uri"]
+        assert req["engine"]["precision"] == m["spec"]["engine"]["precision"]
+        pod = job["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"kiln.dev/role": "builder"}
+        assert pod["tolerations"][0]["effect"] == "NoSchedule"
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert job["spec"]["activeDeadlineSeconds"] == m["spec"].get("build", {}).get("timeoutSeconds", 3600)
+        assert job["metadata"]["ownerReferences"][0]["name"] == m["metadata"]["name"]
+        if m["spec"]["model"]["uri"].startswith("pvc://"):
+            claim = m["spec"]["model"]["uri"][len("pvc://"):].split("/")[0]
+            assert {"name": "model-source", "mountPath": f"/mnt/models/{claim}", "readOnly": True} \
+                in pod["containers"][0]["volumeMounts"]
+    st = api.wait(lambda: status(api, ns, m["metadata"]["name"]).get("phase") == "Building"
+                  and status(api, ns, m["metadata"]["name"]), 10, "phase Building")
+    assert condition(st, "EngineReady")["reason"] == "Building"
+    api.wait(lambda: "BuildStarted" in reasons(api, ns, m["metadata"]["name"]), 5, "a BuildStarted Event")
+
+    # Every build succeeds: the runtime serves one engine per architecture.
+    name = m["metadata"]["name"]
+    for job in found:
+        finish_job(api, job)
+    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the runtime Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    served = sorted(args[i + 1].split("=")[0] for i, a in enumerate(args) if a == "--engine")
+    assert served == archs
+    assert dep["spec"]["replicas"] == b.desired_replicas(m["spec"] | {"autoscaling": m["spec"].get("autoscaling", {})})
+    assert api.get("Service", ns, name)["spec"]["selector"] == {b.LABEL_MODEL: name}
+    roll_out(api, ns, name)
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10, "Ready")
+    assert sorted(e["architecture"] for e in st["engines"]) == archs
+    assert all(e["sha256"] == "ab" * 32 for e in st["engines"])
+    api.wait(lambda: {"BuildSucceeded", "Deploying", "Available", "Ready"} <= set(reasons(api, ns, name)), 5)
+
+
+def test_build_succeeds_then_deployment_service_status_and_events(api, operator, cluster):
+    ns, name = "life", "resnet"
+    api.apply(model(ns, name))
+    [job] = api.wait(lambda: jobs(api, ns), 10, "the build Job")
+    assert api.get("Deployment", ns, b.runtime_name(name)) is None  # nothing runs before the engine exists
+
+    finish_job(api, job)
+    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the runtime Deployment")
+    req = request_of(job)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--engine") + 1] == f"sm90={ns}/{name}/{req['key']}"
+    assert dep["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == req["key"]
+    assert dep["spec"]["replicas"] == 1
+    svc = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")
+    assert svc["spec"]["ports"][0] == {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    index = api.get("ConfigMap", ns, b.ENGINE_INDEX)
+    assert json.loads(index["data"][f"{req['key']}.sm90"])["sha256"] == "ab" * 32
+
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Deploying" and status(api, ns, name), 10)
+    assert condition(st, "EngineReady")["status"] == "True"
+    assert condition(st, "Available")["status"] == "False"
+
+    roll_out(api, ns, name)
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10, "Ready")
+    assert st["engineKey"] == req["key"]
+    assert st["engines"] == [{"key": req["key"], "target": "H100", "architecture": "sm90", "version": "1",
+                              "path": f"{ns}/{name}/{req['key']}", "sha256": "ab" * 32, "sizeBytes": 123456789,
+                              "buildSeconds": 241.5, "cacheHit": False}]
+    assert (st["replicas"], st["readyReplicas"], st["selector"]) == (1, 1, f"kiln.dev/model={name}")
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {
+        "EngineReady": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
+    assert all(c["observedGeneration"] == 1 for c in st["conditions"])
+    assert st["observedGeneration"] == 1
+    api.wait(lambda: {"BuildStarted", "BuildSucceeded", "Deploying", "Available", "Ready"}
+             <= set(reasons(api, ns, name)), 5, "the Events")
+
+    # The scale subresource reads what the status says.
+    scale = api.request("GET", f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels/{name}/scale")
+    assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"] == f"kiln.dev/model={name}"
+
+    # Idle: a further reconcile (poked by an unrelated change on the Deployment) writes nothing.
+    writes = cluster.emu.writes()
+    api.patch("Deployment", ns, b.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
+    import time
+    time.sleep(1.5)
+    assert cluster.emu.writes() - writes == 1, "the operator wrote something on a no-op reconcile"
+    assert sum(1 for r in reasons(api, ns, name) if r == "Ready") == 1
+
+    # The Job goes (its ttlSecondsAfterFinished; the test deletes it as the TTL controller
+    # would): the engine index still says the engine exists, so nothing is rebuilt.
+    api.delete("Job", ns, job["metadata"]["name"])
+    time.sleep(1.0)
+    assert jobs(api, ns) == []
+    assert status(api, ns, name)["phase"] == "Ready"
+
+
+def test_two_models_sharing_a_key_share_one_job(api, operator):
+    ns = "shared"
+    # The key follows the content when sha256 is pinned: two models, one digest, one engine.
+    digest = "c" * 64
+    for name in ("left", "right"):
+        m = model(ns, name)
+        m["spec"]["model"] = {"uri": f"https://mirror-{name}.example.com/m.onnx", "version": "7", "sha256": digest}
+        api.apply(m)
+    shared = api.wait(lambda: [j for j in jobs(api, ns) if request_of(j)["model"].get("sha256") == digest], 10)
+    import time
+    time.sleep(0.5)  # both models reconciled by now; still one Job
+    shared = [j for j in jobs(api, ns) if request_of(j)["model"].get("sha256") == digest]
+    assert len(shared) == 1
+    for name in ("left", "right"):
+        api.wait(lambda: condition(status(api, ns, name), "EngineReady").get("reason") == "Building", 10)
+    finish_job(api, shared[0])
+    for name in ("left", "right"):
+        api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, f"Deployment of {name}")
+        roll_out(api, ns, name)
+    for name in ("left", "right"):
+        st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10)
+        assert st["engineKey"] == request_of(shared[0])["key"]
+    told = api.wait(lambda: (lambda r: r if ("BuildSucceeded" in r[0] or "EnginesReady" in r[0])
+                             and ("BuildSucceeded" in r[1] or "EnginesReady" in r[1]) else None)(
+        [reasons(api, ns, "left"), reasons(api, ns, "right")]), 5, "an engine Event for each model")
+    assert sum(r.count("BuildSucceeded") for r in told) == 1  # one build, reported once
+
+
+def test_key_change_builds_first_then_rolls_the_deployment(api, operator):
+    ns, name = "keychange", "bert"
+    api.apply(model(ns, name, version="1"))
+    [old_job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, old_job)
+    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10)
+    roll_out(api, ns, name)
+    api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10)
+    before = api.get("Deployment", ns, b.runtime_name(name))
+
+    api.patch("InferenceModel", ns, name, {"spec": {"model": {"version": "2"}}})
+    new_job = api.wait(lambda: [j for j in jobs(api, ns) if j["metadata"]["name"] != old_job["metadata"]["name"]],
+                       10, "the new build Job")[0]
+    assert request_of(new_job)["model"]["version"] == "2"
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Building" and status(api, ns, name), 10)
+    assert condition(st, "Available")["status"] == "True"  # the old version keeps serving
+    assert st["engineKey"] == request_of(old_job)["key"]
+    during = api.get("Deployment", ns, b.runtime_name(name))
+    assert during["spec"] == before["spec"]
+    assert during["metadata"]["generation"] == before["metadata"]["generation"]
+
+    finish_job(api, new_job)
+    new_key = request_of(new_job)["key"]
+    dep = api.wait(lambda: (lambda d: d if d["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == new_key
+                            else None)(api.get("Deployment", ns, b.runtime_name(name))), 10, "the rollout")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"sm90={ns}/{name}/{new_key}" in args and args[args.index("--model-version") + 1] == "2"
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    roll_out(api, ns, name)
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10)
+    assert st["engineKey"] == new_key and st["stable"]["version"] == "2"
+
+
+def test_failed_build_reports_and_retries_only_after_a_spec_change(api, operator):
+    ns, name = "failing", "yolo"
+    api.apply(model(ns, name))
+    [job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, job, ok=False, exit_code=4)
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Failed" and status(api, ns, name), 10, "Failed")
+    er = condition(st, "EngineReady")
+    assert (er["status"], er["reason"]) == ("False", "BuildFailed")
+    assert "DigestMismatch" in er["message"] and "BackoffLimitExceeded" in er["message"]
+    warnings = api.wait(lambda: [e for e in api.events(ns, name) if e["reason"] == "BuildFailed"], 5)
+    assert warnings[0]["type"] == "Warning" and "DigestMismatch" in warnings[0]["message"]
+
+    import time
+    time.sleep(1.5)  # no retry loop: the failed Job stays, no new one appears
+    [still] = jobs(api, ns)
+    assert still["metadata"]["uid"] == job["metadata"]["uid"]
+    assert len([e for e in api.events(ns, name) if e["reason"] == "BuildFailed"]) == 1
+
+    # A spec change (a new generation) retries: the failed Job is replaced by a new one.
+    api.patch("InferenceModel", ns, name, {"spec": {"runtime": {"replicas": 2}}})
+    retried = api.wait(lambda: [j for j in jobs(api, ns) if j["metadata"]["uid"] != job["metadata"]["uid"]], 10,
+                       "the retried Job")
+    assert retried[0]["metadata"]["name"] == job["metadata"]["name"]
+    assert retried[0]["metadata"]["annotations"][b.ANN_GENERATION] == "2"
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Building" and status(api, ns, name), 10)
+    assert condition(st, "EngineReady")["observedGeneration"] == 2
+    finish_job(api, retried[0])
+    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment after the retry")
+
+
+def test_spec_that_cannot_work_fails_without_building(api, operator):
+    ns, name = "invalid", "nowhere"
+    api.apply(model(ns, name, engine={"targets": ["Z9000"]}))
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Failed" and status(api, ns, name), 10, "Failed")
+    er = condition(st, "EngineReady")
+    assert (er["reason"], "Z9000" in er["message"]) == ("InvalidSpec", True)
+    api.wait(lambda: [e for e in api.events(ns, name) if e["reason"] == "InvalidSpec" and e["type"] == "Warning"], 5)
+    assert jobs(api, ns) == []
+
+
+def test_autoscaled_replicas_follow_the_scale_subresource_within_bounds(api, operator):
+    ns, name = "autoscaled", "clip"
+    api.apply(model(ns, name, autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 3}))
+    [job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, job)
+    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    assert dep["spec"]["replicas"] == 2  # spec.runtime.replicas 1, raised to minReplicas
+    assert "replicas" not in json.loads(dep["metadata"]["annotations"][b.ANN_APPLIED])["spec"]
+    # An HPA, KEDA or Kiln's autoscaler scales the InferenceModel through its scale subresource.
+    api.request("PATCH", f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels/{name}/scale",
+                {"spec": {"replicas": 5}}, "application/merge-patch+json")
+    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 3, 10,
+             "replicas clamped to maxReplicas")
+    template = api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]
+    assert template == dep["spec"]["template"]  # a replica change is not a rollout

@@ -1,0 +1,80 @@
+"""Operator restarts against the emulated API server: nothing is built twice, nothing rewritten.
+
+The module has its own emulator and starts and stops operators itself (no shared one).
+The test plays the Job controller as in test_operator_api.py: it creates the build pod
+with its termination message and marks the Job Complete.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kiln.operator import builders as b
+
+
+def inference_model(ns: str, name: str) -> dict:
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel", "metadata": {"name": name, "namespace": ns},
+            "spec": {"model": {"uri": "https://models.example.com/r.onnx", "version": "3"},
+                     "engine": {"backend": "onnxruntime", "precision": "fp32"}, "runtime": {"replicas": 2}}}
+
+
+def complete(api, job: dict) -> None:
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    req = json.loads(args[args.index("--request") + 1])
+    result = {"ok": True, "key": req["key"], "target": req["target"], "path": f"{ns}/{req['name']}/{req['key']}",
+              "sha256": "ef" * 32, "sizeBytes": 2048, "buildSeconds": 3.2, "cacheHit": True,
+              "backend": "onnxruntime", "backendVersion": "1.32.0"}
+    labels = {**job["spec"]["template"]["metadata"]["labels"], "job-name": name}
+    api.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": name + "-abcde", "namespace": ns, "labels": labels,
+        "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"]}]},
+        "spec": job["spec"]["template"]["spec"]})
+    api.patch("Pod", ns, name + "-abcde", {"status": {"containerStatuses": [{"name": "build", "state": {
+        "terminated": {"exitCode": 0, "reason": "Completed", "message": json.dumps(result)}}}]}}, subresource="status")
+    api.patch("Job", ns, name, {"status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}},
+              subresource="status")
+
+
+def test_restart_mid_build_creates_no_duplicate_job_and_resumes(api, cluster, start_operator):
+    ns, name = "restart", "tiny"
+    first = start_operator(retry_seconds=0.5)
+    try:
+        api.apply(inference_model(ns, name))
+        [job] = api.wait(lambda: api.list("Job", ns, selector=b.LABEL_KEY), 10, "the build Job")
+        api.wait(lambda: (api.get("InferenceModel", ns, name).get("status") or {}).get("phase") == "Building", 10)
+    finally:
+        first.stop()
+
+    second = start_operator(retry_seconds=0.5)
+    try:
+        time.sleep(1.0)  # the second operator resumed the model
+        jobs = api.list("Job", ns, selector=b.LABEL_KEY)
+        assert [j["metadata"]["uid"] for j in jobs] == [job["metadata"]["uid"]]
+        assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+            "requests": {"cpu": "1", "memory": "2Gi"}}  # onnxruntime: no GPU
+        assert job["metadata"]["labels"][b.LABEL_TARGET] == "cpu"
+
+        complete(api, job)
+        dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+        assert dep["spec"]["replicas"] == 2
+        api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {
+            "observedGeneration": dep["metadata"]["generation"], "replicas": 2, "updatedReplicas": 2,
+            "readyReplicas": 2, "availableReplicas": 2}}, subresource="status")
+        st = api.wait(lambda: (lambda s: s if s.get("phase") == "Ready" else None)(
+            api.get("InferenceModel", ns, name).get("status") or {}), 10, "Ready")
+        assert st["engines"][0]["cacheHit"] is True
+        events = [e["reason"] for e in api.events(ns, name)]
+        assert events.count("BuildStarted") == 1, events
+    finally:
+        second.stop()
+
+    # A third start on a Ready model: resuming writes nothing at all.
+    writes = cluster.emu.writes()
+    third = start_operator(retry_seconds=0.5)
+    try:
+        time.sleep(1.5)
+        assert cluster.emu.writes() == writes, cluster.emu.counts
+    finally:
+        third.stop()
