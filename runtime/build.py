@@ -6,9 +6,10 @@
 Computes the engine key from the model, engine settings, target and the backend version
 this builder really has; refuses to build when the request names a different key; on a
 cache hit reports the existing entry without building; otherwise fetches the ONNX
-model, checks its pinned sha256, builds and publishes atomically. Progress goes to
-stderr; the result, as JSON under 4 KiB, to the termination log, where the operator
-reads it: {"ok": true, "key", "target", "path", "sha256", "sizeBytes", "buildSeconds",
+model, checks its pinned sha256, builds and publishes atomically; then loads the engine
+once as a runtime pod would (`loadSeconds`). Progress goes to stderr; the result, as
+JSON under 4 KiB, to the termination log, where the operator reads it: {"ok": true,
+"key", "target", "path", "sha256", "sizeBytes", "buildSeconds", "loadSeconds",
 "cacheHit", "backend", "backendVersion"} or {"ok": false, "reason", "message"}.
 
 Exit codes (reason):
@@ -139,13 +140,14 @@ class BuildResult:
     path: str  # relative to the cache root: <namespace>/<model>/<key>
     cache_hit: bool
     seconds: float
+    load_seconds: float  # read + verify + deserialize, as a runtime pod will do it
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
         return {"ok": True, "key": m.key, "target": m.target, "path": self.path,
                 "sha256": m.sha256, "sizeBytes": m.size_bytes, "buildSeconds": m.build_seconds,
-                "cacheHit": self.cache_hit, "backend": m.backend,
-                "backendVersion": m.backend_version}
+                "loadSeconds": round(self.load_seconds, 3), "cacheHit": self.cache_hit,
+                "backend": m.backend, "backendVersion": m.backend_version}
 
 
 def stderr_log(message: str) -> None:
@@ -215,7 +217,9 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     existing = cache.lookup(cache_dir, request.namespace, request.name, key)
     if existing is not None:
         log(f"cache hit: {rel} ({existing.size_bytes} bytes, built {existing.built_at})")
-        return BuildResult(existing, rel, True, clock() - started)
+        load_seconds = _load_check(backend, cache.entry_dir(cache_dir, request.namespace,
+                                                            request.name, key), clock, log)
+        return BuildResult(existing, rel, True, clock() - started, load_seconds)
 
     if backend.name == "tensorrt":
         from kiln.runtime.gpu import detect_target
@@ -249,7 +253,31 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
             raise OutOfDisk(f"no space left on device: {e}") from None
         raise
     log(f"published {rel} ({manifest.size_bytes} bytes, sha256 {manifest.sha256})")
-    return BuildResult(manifest, rel, False, clock() - started)
+    load_seconds = _load_check(backend, cache.entry_dir(cache_dir, request.namespace,
+                                                        request.name, key), clock, log)
+    return BuildResult(manifest, rel, False, clock() - started, load_seconds)
+
+
+def _load_check(backend, entry, clock: Callable[[], float], log: Log) -> float:
+    """Load the published engine once, as a runtime pod will (read, verify, deserialize,
+    one execution context). An engine that does not load fails the build here, not in
+    every pod; the time is what the operator sizes the pods' startup probe from."""
+    from kiln.runtime import cache
+    from kiln.runtime.backends import base
+
+    started = clock()
+    try:
+        data, manifest, _ = cache.read_verified(entry)
+        engine = backend.load(data, manifest.profiles())
+        try:
+            engine.create_context().close()
+        finally:
+            engine.close()
+    except (base.BackendError, cache.CacheError) as e:
+        raise BuildError(f"the engine in {entry} was published but does not load: {e}") from None
+    seconds = clock() - started
+    log(f"load check: the engine loads in {seconds:.2f} s")
+    return seconds
 
 
 def _termination_log(path: str | None) -> Path | None:

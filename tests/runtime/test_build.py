@@ -59,8 +59,10 @@ def test_build_then_cache_hit(tmp_path, model):
     assert proc.returncode == 0, proc.stderr
     assert result["ok"] and not result["cacheHit"] and result["backend"] == "onnxruntime"
     assert result["path"] == f"ml/mlp/{result['key']}"
-    for line in ("fetching pvc://models/mlp/model.onnx", "built in", "published ml/mlp/"):
+    for line in ("fetching pvc://models/mlp/model.onnx", "built in", "published ml/mlp/",
+                 "load check: the engine loads in"):
         assert line in proc.stderr
+    assert 0 < result["loadSeconds"] < 60  # what the operator sizes the startup probe from
     engine = tmp_path / "cache" / result["path"] / "engine.onnx"
     assert hashlib.sha256(engine.read_bytes()).hexdigest() == result["sha256"]
     manifest = json.loads((engine.parent / "manifest.json").read_text())
