@@ -3,7 +3,7 @@ and the garbage collector are real here, unlike in tests/operator.
 
     KUBECONFIG=... make test-e2e
     KILN_E2E_IMAGE=<a kiln runtime image the cluster can pull>   (for the full path to Ready)
-    KILN_E2E_MODEL_URI=<an ONNX URL the cluster can reach>       (default: the demo model on GitHub)
+    KILN_E2E_MODEL_URI=<an ONNX URL the cluster can reach>       (e.g. examples/demo/model.onnx served in the cluster)
 
 Every test gets its own namespace, deleted afterwards.
 """
@@ -83,11 +83,11 @@ def test_unreachable_model_fails_the_build_with_a_reason(api, namespace, operato
     assert any(e["reason"] == "BuildFailed" and e["type"] == "Warning" for e in events)
 
 
-@pytest.mark.skipif(not os.environ.get("KILN_E2E_IMAGE"), reason="set KILN_E2E_IMAGE to a kiln runtime image "
-                                                                  "the cluster can pull to run builds for real")
+@pytest.mark.skipif(not (os.environ.get("KILN_E2E_IMAGE") and os.environ.get("KILN_E2E_MODEL_URI")),
+                    reason="set KILN_E2E_IMAGE to a kiln runtime image the cluster can pull and "
+                           "KILN_E2E_MODEL_URI to an ONNX file it can fetch, to run a build for real")
 def test_model_becomes_ready(api, namespace, operator):
-    uri = os.environ.get("KILN_E2E_MODEL_URI",
-                         "https://raw.githubusercontent.com/kiln-dev/kiln/main/examples/demo/model.onnx")
+    uri = os.environ["KILN_E2E_MODEL_URI"]
     api._request_sync("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "kiln-engine-cache"},
         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
