@@ -179,6 +179,23 @@ def test_operator_deployment_is_hardened_and_configured():
     assert pod["serviceAccountName"] == "kiln"
 
 
+@needs_helm
+@pytest.mark.parametrize("values", SCENARIOS, ids=lambda p: p.name)
+def test_operator_args_are_what_kiln_operator_accepts(values):
+    # The chart and `kiln operator` are written apart: the rendered args must parse with
+    # the operator's own parser into a configuration it can run with.
+    import argparse
+
+    from kiln.operator import main
+
+    (dep,) = by_kind(render(values), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    parser = argparse.ArgumentParser(prog="kiln operator", exit_on_error=False)
+    main.configure(parser)
+    config = main.config_from_args(parser.parse_args(c["args"]))
+    assert config.default_targets and set(config.backend_versions) >= {"tensorrt", "onnxruntime"}
+
+
 NAMESPACED_RULES = [
     {"apiGroups": ["kiln.dev"], "resources": ["inferencemodels"],
      "verbs": ["get", "list", "watch", "patch", "update"]},
