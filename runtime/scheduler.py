@@ -114,8 +114,11 @@ class Scheduler:
         self._m_compute_seconds = metrics.compute_seconds.labels(model)
         self._m_batch_size = metrics.batch_size.labels(model)
         self._m_cancelled = metrics.requests.labels(model, "cancelled")
-        self._m_inflight = metrics.inflight.labels(model)
-        self._m_queue_depth = metrics.queue_depth.labels(model)
+        # The two gauges are read at scrape time from plain counters: no metric update on
+        # the request path.
+        self._inflight = 0
+        metrics.inflight.labels(model).set_function(lambda: self._inflight)
+        metrics.queue_depth.labels(model).set_function(lambda: self._queued)
 
         # Compatible requests share a group; groups keep arrival order for fairness.
         self._groups: OrderedDict[Hashable, deque[_Request]] = OrderedDict()
@@ -173,7 +176,6 @@ class Scheduler:
                 self._fail(req, ShuttingDown(1.0, "the model is shutting down; retry on another replica"))
         self._groups.clear()
         self._queued = self._queued_rows = 0
-        self._m_queue_depth.set(0)
         for task, requests in list(self._executing.items()):
             for req in requests:
                 self._fail(req, ExecutionFailed(
@@ -204,9 +206,8 @@ class Scheduler:
         self._groups.setdefault(group, deque()).append(req)
         self._queued += 1
         self._queued_rows += rows
-        self._m_queue_depth.set(self._queued)
         self._wake.set()
-        self._m_inflight.inc()
+        self._inflight += 1
         try:
             outputs = await req.future
         except asyncio.CancelledError:
@@ -217,7 +218,7 @@ class Scheduler:
             self._m_cancelled.inc()
             raise
         finally:
-            self._m_inflight.dec()
+            self._inflight -= 1
         if key is not None:
             self.cache.put(key, outputs)
         return outputs
@@ -260,7 +261,6 @@ class Scheduler:
         req.queued = False
         self._queued -= 1
         self._queued_rows -= req.rows
-        self._m_queue_depth.set(self._queued)
 
     @staticmethod
     def _fail(req: _Request, error: Exception) -> None:
@@ -305,7 +305,6 @@ class Scheduler:
                     self._queued -= 1
                     self._queued_rows -= req.rows
                     self._m_queue_seconds.observe(max(0.0, now - req.enqueued))
-                self._m_queue_depth.set(self._queued)
                 return batch
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)

@@ -70,16 +70,16 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from kiln.runtime.metrics import ServerMetrics
     from kiln.runtime.model import ServedModel, parse_engines
-    from kiln.runtime.server import InferenceServer, run_until_stopped
+    from kiln.runtime.server import (InferenceServer, event_loop_choice, run_event_loop,
+                                     run_until_stopped)
 
     configure_logging(args.log_level)
     try:
         engines = parse_engines(args.engine)
         runtime = runtime_spec_with_defaults(args.runtime_spec, args.model_name)
+        event_loop = event_loop_choice()
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
         if not 0 <= args.port <= 65535:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         await run_until_stopped(server, args.host, args.port, args.drain_seconds)
 
     try:
-        asyncio.run(main())
+        run_event_loop(main(), event_loop)
     except OSError as e:  # the port is taken, the address is not this host's
         print(f"kiln serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
               file=sys.stderr)

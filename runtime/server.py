@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import time
 from typing import Any, Callable, Coroutine, Iterable
@@ -36,6 +37,7 @@ from kiln.runtime import protocol
 from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import LOADING, UNHEALTHY, ServedModel
 from kiln.runtime.protocol import HEADER_LENGTH, ProtocolError
+from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 
 log = logging.getLogger("kiln.runtime.server")
 
@@ -43,6 +45,8 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # Bodies above this are decoded and encoded in a worker thread, off the event loop, so a
 # large request does not stall health checks and other requests.
 _OFFLOAD_BYTES = 256 * 1024
+# kiln_requests_total's outcomes (the scheduler counts "cancelled" inside it).
+OUTCOMES = ("success", "bad_request", "overloaded", "unavailable", "error", "cancelled")
 # Retry-After (seconds) while a model loads, is unhealthy, or the server drains.
 NOT_READY_RETRY_AFTER = 5
 
@@ -99,6 +103,12 @@ class InferenceServer:
         if not self.models:
             raise ValueError("the server needs at least one model")
         self.metrics = metrics
+        # Each model's request metrics, looked up once (a labels() call per request costs
+        # more than the update itself).
+        self._request_metrics = {
+            name: ({o: metrics.requests.labels(model=name, outcome=o) for o in OUTCOMES},
+                   metrics.request_seconds.labels(model=name))
+            for name in self.models}
         self.max_body_bytes = max_body_bytes
         self._clock = clock
         self.draining = False
@@ -269,16 +279,13 @@ class InferenceServer:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
+            counters, seconds = self._request_metrics[model.name]
             if outcome is not None:
-                self.metrics.requests.labels(model=model.name, outcome=outcome).inc()
-            self.metrics.request_seconds.labels(model=model.name).observe(
-                self._clock() - started)
+                counters[outcome].inc()
+            seconds.observe(self._clock() - started)
 
     async def _infer(self, request: web.Request, model: ServedModel,
                      in_scheduler: list[bool]) -> web.Response:
-        from kiln.runtime.scheduler import (ExecutionFailed, InvalidBatch, Overloaded,
-                                            ShuttingDown)
-
         if self.draining:
             return error_response(503, "the server is shutting down; retry on another "
                                        "replica", _retry_headers())
@@ -324,16 +331,23 @@ class InferenceServer:
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.max_body_bytes
-        too_big = ProtocolError(413, f"the request body is larger than the server's limit "
-                                     f"of {limit} bytes (--max-body-bytes)")
-        if request.content_length is not None and request.content_length > limit:
-            raise too_big
+        length = request.content_length
+        if length is not None:
+            if length > limit:
+                raise self._too_big()
+            # Known length within the limit: one read, no per-chunk copies (aiohttp stops
+            # at Content-Length; the app's client_max_size is above the limit).
+            return await request.read()
         buf = bytearray()
         async for chunk in request.content.iter_any():
             buf += chunk
             if len(buf) > limit:
-                raise too_big
+                raise self._too_big()
         return bytes(buf)
+
+    def _too_big(self) -> ProtocolError:
+        return ProtocolError(413, f"the request body is larger than the server's limit "
+                                  f"of {self.max_body_bytes} bytes (--max-body-bytes)")
 
 
 def _retry_headers() -> dict[str, str]:
@@ -350,6 +364,42 @@ def _outcome(status: int) -> str:
     if status < 500:
         return "bad_request"
     return "error"
+
+
+EVENT_LOOP_ENV = "KILN_EVENT_LOOP"
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def event_loop_choice() -> str:
+    """The event loop `run_event_loop` uses: uvloop when it is installed (the runtime
+    extra installs it), unless `KILN_EVENT_LOOP=asyncio`. Raises ValueError on a bad value
+    or `KILN_EVENT_LOOP=uvloop` without uvloop."""
+    wanted = os.environ.get(EVENT_LOOP_ENV, "auto").strip().lower() or "auto"
+    if wanted not in EVENT_LOOPS:
+        raise ValueError(f"{EVENT_LOOP_ENV} must be one of {', '.join(EVENT_LOOPS)}, "
+                         f"got {wanted!r}")
+    if wanted == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if wanted == "uvloop":
+            raise ValueError(f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed "
+                             f"(pip install 'kiln-operator[runtime]')") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def run_event_loop(main: Coroutine[Any, Any, Any], loop: str | None = None) -> Any:
+    """Run `main` to completion on a new event loop (`loop`: "uvloop" or "asyncio";
+    default `event_loop_choice()`). uvloop (libuv) serves about 5-10% more small requests
+    per second than asyncio's own loop on the same core (docs/batching.md, Tuning)."""
+    loop = loop or event_loop_choice()
+    log.info("event loop: %s", loop)
+    if loop == "uvloop":
+        import uvloop
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 async def run_until_stopped(server: InferenceServer, host: str, port: int,

@@ -20,6 +20,10 @@ from kiln.runtime.backends.base import (BackendError, BuildOptions, InvalidModel
 from kiln.runtime.backends.shapes import validate_profiles
 
 THREADS_ENV = "KILN_ORT_INTRA_OP_THREADS"
+# "0": intra-op threads sleep as soon as a run ends instead of spinning for more work
+# (ONNX Runtime's `session.intra_op.allow_spinning`). Spinning threads take the cores an
+# HTTP event loop on the same node needs; see docs/batching.md, Tuning.
+SPINNING_ENV = "KILN_ORT_ALLOW_SPINNING"
 
 # ONNX Runtime's type strings -> Open Inference Protocol datatypes.
 ORT_DATATYPES = {
@@ -55,10 +59,12 @@ def _onnx_input_shapes(model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _session_options(ort, threads: int | None):
+def _session_options(ort, threads: int | None, allow_spinning: bool | None = None):
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
+    if allow_spinning is not None:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
     return so
 
 
@@ -66,7 +72,7 @@ class OnnxRuntimeBackend:
     name = "onnxruntime"
     engine_filename = "engine.onnx"
 
-    def __init__(self, intra_op_threads: int | None = None):
+    def __init__(self, intra_op_threads: int | None = None, allow_spinning: bool | None = None):
         if intra_op_threads is None and os.environ.get(THREADS_ENV):
             raw = os.environ[THREADS_ENV]
             if not raw.isdigit():
@@ -75,6 +81,12 @@ class OnnxRuntimeBackend:
         if intra_op_threads is not None and intra_op_threads < 0:
             raise BackendError(f"intra-op threads must be >= 0, got {intra_op_threads}")
         self.intra_op_threads = intra_op_threads or None  # 0: ONNX Runtime's default
+        if allow_spinning is None and os.environ.get(SPINNING_ENV):
+            raw = os.environ[SPINNING_ENV].strip()
+            if raw not in ("0", "1"):
+                raise BackendError(f"{SPINNING_ENV} must be 0 or 1, got {raw!r}")
+            allow_spinning = raw == "1"
+        self.allow_spinning = allow_spinning  # None: ONNX Runtime's default (spinning)
 
     def version(self) -> str:
         import onnxruntime as ort
@@ -132,7 +144,7 @@ class OnnxRuntimeBackend:
     def load(self, engine: bytes, profiles: Mapping[str, ShapeRange]) -> "OrtEngine":
         import onnxruntime as ort
 
-        so = _session_options(ort, self.intra_op_threads)
+        so = _session_options(ort, self.intra_op_threads, self.allow_spinning)
         # The engine was optimized at build time; do not spend the load doing it again.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         try:

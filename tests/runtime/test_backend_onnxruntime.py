@@ -97,3 +97,19 @@ def test_intra_op_threads_from_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_ORT_INTRA_OP_THREADS", "many")
     with pytest.raises(BackendError, match="KILN_ORT_INTRA_OP_THREADS"):
         OnnxRuntimeBackend()
+
+
+def test_spinning_from_the_environment(monkeypatch):
+    from kiln.runtime.backends.base import BackendError
+    from kiln.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    monkeypatch.setenv("KILN_ORT_ALLOW_SPINNING", "0")
+    backend = OnnxRuntimeBackend()
+    assert backend.allow_spinning is False
+    loaded = backend.load(backend.build(mlp(), BuildOptions()), {})
+    options = loaded.session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    monkeypatch.delenv("KILN_ORT_ALLOW_SPINNING")
+    assert OnnxRuntimeBackend().allow_spinning is None  # ONNX Runtime's default
+    monkeypatch.setenv("KILN_ORT_ALLOW_SPINNING", "yes")
+    with pytest.raises(BackendError, match="KILN_ORT_ALLOW_SPINNING must be 0 or 1"):
+        OnnxRuntimeBackend()

@@ -638,3 +638,27 @@ def test_kiln_serve_rejects_bad_flags(tmp_path, flags, message):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip() == message
+
+
+def test_kiln_serve_rejects_a_bad_event_loop(tmp_path):
+    import os
+    env = {**os.environ, "KILN_EVENT_LOOP": "tokio"}
+    proc = subprocess.run([str(KILN), "serve", "--model-name", "m", "--engine", "cpu=a/b/c"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("kiln serve: KILN_EVENT_LOOP must be one of auto, uvloop, "
+                                   "asyncio, got 'tokio'")
+
+
+def test_event_loop_choice(monkeypatch):
+    from kiln.runtime.server import event_loop_choice, run_event_loop
+    monkeypatch.setenv("KILN_EVENT_LOOP", "asyncio")
+    assert event_loop_choice() == "asyncio"
+    monkeypatch.delenv("KILN_EVENT_LOOP")
+    assert event_loop_choice() == "uvloop"  # pinned in requirements-test.txt
+
+    async def loop_type() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_event_loop(loop_type(), "uvloop").startswith("uvloop")
+    assert run_event_loop(loop_type(), "asyncio").startswith("asyncio")
