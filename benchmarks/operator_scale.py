@@ -23,7 +23,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile

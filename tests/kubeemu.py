@@ -453,7 +453,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         assert request.resource is not None
         spec = self.specs.get((request.resource.group, request.resource.version, request.resource.plural))
         if spec is None:
-            raise _error(404, "NotFound", f"the server could not find the requested resource")
+            raise _error(404, "NotFound", "the server could not find the requested resource")
         return spec
 
     def _bump(self) -> str:

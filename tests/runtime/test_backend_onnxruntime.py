@@ -1,7 +1,6 @@
 """The onnxruntime backend on real ONNX models: build, load, run, and clear refusals."""
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shlex
-import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -69,42 +65,6 @@ def manifest(tmp: Path, **engine) -> Path:
     return path
 
 
-class Dev:
-    """`kiln dev` in a subprocess; stdout lines collected as they arrive."""
-
-    def __init__(self, args: list[str], cwd: Path):
-        self.proc = subprocess.Popen([str(KILN), "dev", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=cwd)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def wait_for(self, pattern: str, timeout: float = 30) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            assert self.proc.poll() is None, "\n".join(self.lines)
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(self.lines))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(15)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self._reader.join(5)
-
-
 def post(url: str, body: bytes) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -112,10 +72,10 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
         return resp.status, json.loads(resp.read())
 
 
-def test_kiln_dev_builds_serves_and_answers_then_hits_the_cache(tmp_path):
+def test_kiln_dev_builds_serves_and_answers_then_hits_the_cache(tmp_path, kiln_process):
     path = manifest(tmp_path)
     cache = tmp_path / "cache"
-    dev = Dev([str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
+    dev = kiln_process(["dev", str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
     try:
         key = dev.wait_for(r"^built engine ([0-9a-f]{20}) for cpu in [0-9.]+s -> "
                            r"dev/scorer/\1$").group(1)
@@ -153,7 +113,7 @@ def test_kiln_dev_builds_serves_and_answers_then_hits_the_cache(tmp_path):
         assert dev.stop() == 0
     assert dev.lines[-1] == "kiln dev: stopped"
 
-    again = Dev([str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
+    again = kiln_process(["dev", str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
     try:
         again.wait_for(rf"^cache hit: engine {key} for cpu is already in dev/scorer/{key}$")
         again.wait_for(r"^serving scorer")

@@ -80,7 +80,7 @@ def test_local_file_pvc_and_plain_path(tmp_path):
     claim.mkdir(parents=True)
     (claim / "model.onnx").write_bytes(PAYLOAD)
     path = claim / "model.onnx"
-    for uri in (f"pvc://models/resnet/model.onnx", f"file://{path}", str(path)):
+    for uri in ("pvc://models/resnet/model.onnx", f"file://{path}", str(path)):
         got = fetch.fetch_model(uri, tmp_path, sha256=DIGEST, pvc_root=tmp_path / "pvcs")
         assert got.path == path and got.sha256 == DIGEST
     with pytest.raises(errors.SourceUnreachable, match="no such file"):

@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import http.client
 import json
-import re
 import shutil
 import signal
 import socket
@@ -548,44 +547,9 @@ def test_engine_failures_turn_not_ready_then_recover(built):
 
 # -- `kiln serve`, the runtime pod's command ---------------------------------------------
 
-KILN = Path(sys.executable).parent / "kiln"
-
-
-class Process:
-    """A `kiln` subprocess whose stderr (the log) is collected as it arrives."""
-
-    def __init__(self, args: list[str], cwd: Path):
-        self.proc = subprocess.Popen([str(KILN), *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, cwd=cwd)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-
-    def wait_for(self, pattern: str, timeout: float = 20) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            assert self.proc.poll() is None, "\n".join(self.lines)
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} in the log:\n" + "\n".join(self.lines))
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(5)
-        self._reader.join(5)
-
-
-def test_kiln_serve_drains_an_in_flight_request_on_sigterm(built, tmp_path):
+def test_kiln_serve_drains_an_in_flight_request_on_sigterm(built, tmp_path, kiln_process):
     runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000}}
-    p = Process(["serve", "--model-name", NAME, "--model-version", "1", "--cache-dir",
+    p = kiln_process(["serve", "--model-name", NAME, "--model-version", "1", "--cache-dir",
                  str(built.cache), "--engine", f"cpu={built.rel}", "--runtime-spec",
                  json.dumps(runtime), "--host", "127.0.0.1", "--port", "0",
                  "--drain-seconds", "10"], tmp_path)
@@ -634,7 +598,7 @@ def test_kiln_serve_drains_an_in_flight_request_on_sigterm(built, tmp_path):
      "and stay inside it"),
 ])
 def test_kiln_serve_rejects_bad_flags(tmp_path, flags, message):
-    proc = subprocess.run([str(KILN), "serve", "--model-name", "m", *flags], cwd=tmp_path,
+    proc = subprocess.run([str(Path(sys.executable).parent / "kiln"), "serve", "--model-name", "m", *flags], cwd=tmp_path,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip() == message
@@ -643,7 +607,7 @@ def test_kiln_serve_rejects_bad_flags(tmp_path, flags, message):
 def test_kiln_serve_rejects_a_bad_event_loop(tmp_path):
     import os
     env = {**os.environ, "KILN_EVENT_LOOP": "tokio"}
-    proc = subprocess.run([str(KILN), "serve", "--model-name", "m", "--engine", "cpu=a/b/c"],
+    proc = subprocess.run([str(Path(sys.executable).parent / "kiln"), "serve", "--model-name", "m", "--engine", "cpu=a/b/c"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("kiln serve: KILN_EVENT_LOOP must be one of auto, uvloop, "

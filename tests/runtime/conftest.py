@@ -1,0 +1,67 @@
+"""Fixtures shared by the runtime tests."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+KILN = Path(sys.executable).parent / "kiln"
+
+
+class KilnProcess:
+    """A `kiln` subprocess whose output (stdout and the stderr log) is collected as it
+    arrives, so a test can wait for a line."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        self.proc = subprocess.Popen([str(KILN), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, pattern: str, timeout: float = 30) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in the output:\n" + "\n".join(self.lines))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(15)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(5)
+            self._reader.join(5)
+
+
+@pytest.fixture
+def kiln_process():
+    """Start `kiln ARGS...` in a directory; every process started is stopped afterwards."""
+    started: list[KilnProcess] = []
+
+    def start(args: list[str], cwd: Path) -> KilnProcess:
+        started.append(KilnProcess(args, cwd))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.stop()
