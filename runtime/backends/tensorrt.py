@@ -12,11 +12,19 @@ imports on any machine; they exist where the builder and runtime images put them
 INT8 and FP8 engines need an explicitly quantized ONNX model (QuantizeLinear /
 DequantizeLinear nodes, e.g. from NVIDIA ModelOpt): Kiln does not run implicit
 calibration, and says so when the model has no Q/DQ layers.
+
+Static types: the runtime half (Runtime, ICudaEngine, IExecutionContext, ILogger and
+their enums) is annotated with the classes of TensorRT's lean runtime bindings, which
+install from PyPI and import without a GPU; CI generates stubs from them and runs mypy
+over this module (tests/runtime/test_tensorrt_types.py). The builder half (Builder,
+BuilderConfig, INetworkDefinition, OnnxParser) exists only in the full bindings, which
+CI cannot install: it stays dynamically typed (Any) and is checked against TensorRT's
+documented Python API and by unit tests with a fake module. pycuda has no stubs: Any.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -24,6 +32,18 @@ from kiln.runtime.backends.base import (DATATYPES, BackendError, BuildOptions,
                                         InvalidModelError, ShapeRange, TensorSpec,
                                         UnsupportedError)
 from kiln.runtime.backends.shapes import validate_profiles
+
+if TYPE_CHECKING:
+    # Types only, never imported at run time. The full `tensorrt` package that runs here
+    # exposes the same runtime classes as the lean bindings (the lean runtime is a subset
+    # of it), so these annotations describe the objects `tensorrt` hands back.
+    import tensorrt_lean_bindings as trt_types
+
+    class CollectingLogger(trt_types.ILogger):
+        """What make_logger returns: an ILogger that keeps warnings and errors."""
+
+        messages: list[str]
+        errors: list[str]
 
 DEFAULT_WORKSPACE_MIB = 4096
 
@@ -58,7 +78,8 @@ TRT_DATATYPES = {
 }
 
 
-def _import_trt():
+def _import_trt() -> Any:
+    # Any: the full module also carries the builder half, which has no stubs in CI.
     try:
         import tensorrt
     except ImportError as e:
@@ -68,7 +89,7 @@ def _import_trt():
     return tensorrt
 
 
-def _import_cuda():
+def _import_cuda() -> Any:
     try:
         import pycuda.driver as cuda
     except ImportError as e:
@@ -78,26 +99,30 @@ def _import_cuda():
     return cuda
 
 
-def make_logger(trt):
+def make_logger(trt: Any) -> CollectingLogger:
     """A TensorRT logger that keeps warnings and errors, so failures can quote them."""
+    # The base class comes from whichever module is in use (tensorrt, the lean bindings or
+    # a test's fake), so it is only known at run time; the severities are typed.
+    base: Any = trt.ILogger
+    levels: type[trt_types.ILogger] = trt.ILogger
 
-    class CollectingLogger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
+    class _CollectingLogger(base):
+        def __init__(self) -> None:
+            base.__init__(self)
             self.messages: list[str] = []
             self.errors: list[str] = []
 
-        def log(self, severity, msg):
-            if severity in (trt.ILogger.INTERNAL_ERROR, trt.ILogger.ERROR):
+        def log(self, severity: trt_types.ILogger.Severity, msg: str) -> None:
+            if severity in (levels.INTERNAL_ERROR, levels.ERROR):
                 self.errors.append(str(msg))
                 self.messages.append(f"ERROR: {msg}")
-            elif severity == trt.ILogger.WARNING:
+            elif severity == levels.WARNING:
                 self.messages.append(f"WARNING: {msg}")
 
-    return CollectingLogger()
+    return _CollectingLogger()
 
 
-def _errors(logger) -> str:
+def _errors(logger: CollectingLogger) -> str:
     return "; ".join(logger.errors[-5:]) or "TensorRT logged no error"
 
 
@@ -112,13 +137,13 @@ class TensorRTBackend:
         self.device = device
 
     @property
-    def trt(self):
+    def trt(self) -> Any:
         if self._trt is None:
             self._trt = _import_trt()
         return self._trt
 
     @property
-    def cuda(self):
+    def cuda(self) -> Any:
         if self._cuda is None:
             self._cuda = _import_cuda()
         return self._cuda
@@ -129,6 +154,7 @@ class TensorRTBackend:
     # -- build ---------------------------------------------------------------------------
 
     def build(self, onnx_model: bytes, options: BuildOptions) -> bytes:
+        # The builder half: untyped (Any) on purpose, see the module docstring.
         trt = self.trt
         if options.precision != "fp32" and options.precision not in PRECISION_FLAGS:
             raise UnsupportedError(f"precision {options.precision!r}: use one of fp32, "
@@ -204,7 +230,8 @@ class TensorRTBackend:
         cuda_ctx.push()
         try:
             logger = make_logger(trt)
-            runtime = trt.Runtime(logger)
+            runtime_class: type[trt_types.Runtime] = trt.Runtime
+            runtime = runtime_class(logger)
             cuda_engine = runtime.deserialize_cuda_engine(engine)
             if cuda_engine is None:
                 raise BackendError(
@@ -215,12 +242,12 @@ class TensorRTBackend:
             cuda.Context.pop()
 
 
-def _has_qdq(trt, network) -> bool:
+def _has_qdq(trt: Any, network: Any) -> bool:
     kinds = (trt.LayerType.QUANTIZE, trt.LayerType.DEQUANTIZE)
     return any(network.get_layer(i).type in kinds for i in range(network.num_layers))
 
 
-def _datatype(trt, name: str, dtype) -> str:
+def _datatype(trt: Any, name: str, dtype: trt_types.DataType) -> str:
     for member, v2 in TRT_DATATYPES.items():
         if dtype == getattr(trt.DataType, member):
             return v2
@@ -228,18 +255,28 @@ def _datatype(trt, name: str, dtype) -> str:
                            f"Inference Protocol datatypes here do not cover")
 
 
+def _dims(dims: trt_types.Dims) -> tuple[int, ...]:
+    # Dims iterates only through __getitem__ (it has no __iter__), which type checkers do
+    # not model: index it.
+    return tuple(int(dims[i]) for i in range(len(dims)))
+
+
 class TrtEngine:
-    def __init__(self, trt, cuda, cuda_ctx, runtime, engine, logger,
+    def __init__(self, trt: Any, cuda: Any, cuda_ctx: Any, runtime: trt_types.Runtime,
+                 engine: trt_types.ICudaEngine, logger: CollectingLogger,
                  profiles: Mapping[str, ShapeRange]):
         self._trt, self._cuda, self._cuda_ctx = trt, cuda, cuda_ctx
-        self._runtime, self.engine, self._logger = runtime, engine, logger
+        self._runtime: trt_types.Runtime | None = runtime
+        self.engine: trt_types.ICudaEngine | None = engine
+        self._logger = logger
+        io_mode: type[trt_types.TensorIOMode] = trt.TensorIOMode
         self.inputs: list[TensorSpec] = []
         self.outputs: list[TensorSpec] = []
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             spec = TensorSpec(name=name, datatype=_datatype(trt, name, engine.get_tensor_dtype(name)),
-                              shape=tuple(int(d) for d in engine.get_tensor_shape(name)))
-            if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+                              shape=_dims(engine.get_tensor_shape(name)))
+            if engine.get_tensor_mode(name) == io_mode.INPUT:
                 self.inputs.append(spec)
             else:
                 self.outputs.append(spec)
@@ -248,14 +285,12 @@ class TrtEngine:
         for spec in self.inputs:
             if any(d < 0 for d in spec.shape):
                 lo, opt, hi = engine.get_tensor_profile_shape(spec.name, 0)
-                self.profiles[spec.name] = ShapeRange(tuple(lo), tuple(opt), tuple(hi))
+                self.profiles[spec.name] = ShapeRange(_dims(lo), _dims(opt), _dims(hi))
 
     def max_shape(self, spec: TensorSpec) -> tuple[int, ...]:
         return self.profiles[spec.name].max if spec.name in self.profiles else spec.shape
 
     def create_context(self) -> "TrtContext":
-        if self.engine is None:
-            raise BackendError("the engine is closed")
         return TrtContext(self)
 
     def close(self) -> None:
@@ -268,42 +303,48 @@ class TrtContext:
 
     def __init__(self, engine: TrtEngine):
         self._engine = engine
+        if engine.engine is None:
+            raise BackendError("the engine is closed")
+        cuda_engine = engine.engine
         cuda = engine._cuda
         engine._cuda_ctx.push()
         try:
-            self._ctx = engine.engine.create_execution_context()
-            if self._ctx is None:
+            # TensorRT returns None on failure although its bindings declare no Optional.
+            ctx = cuda_engine.create_execution_context()
+            if ctx is None:
                 raise BackendError("TensorRT could not create an execution context (out of GPU "
                                    "memory?): " + _errors(engine._logger))
-            self._stream = cuda.Stream()
+            self._ctx: trt_types.IExecutionContext | None = ctx
+            self._stream: Any = cuda.Stream()
             self._host: dict[str, np.ndarray] = {}
             self._device: dict[str, Any] = {}
             # Output sizes follow from the inputs: size them at the inputs' maximum shapes.
             for spec in engine.inputs:
                 shape = engine.max_shape(spec)
-                if not self._ctx.set_input_shape(spec.name, shape):
+                if not ctx.set_input_shape(spec.name, shape):
                     raise BackendError(f"input {spec.name!r}: TensorRT refused shape {shape}")
-                self._allocate(spec.name, shape, DATATYPES[spec.datatype])
+                self._allocate(ctx, spec.name, shape, DATATYPES[spec.datatype])
             for spec in engine.outputs:
-                shape = tuple(int(d) for d in self._ctx.get_tensor_shape(spec.name))
+                shape = _dims(ctx.get_tensor_shape(spec.name))
                 if any(d < 0 for d in shape):
                     raise UnsupportedError(f"output {spec.name!r} has a data-dependent shape "
                                            f"{shape}; Kiln needs outputs sized by their inputs")
-                self._allocate(spec.name, shape, DATATYPES[spec.datatype])
+                self._allocate(ctx, spec.name, shape, DATATYPES[spec.datatype])
         finally:
             cuda.Context.pop()
 
-    def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    def _allocate(self, ctx: trt_types.IExecutionContext, name: str, shape: tuple[int, ...],
+                  dtype: np.dtype) -> None:
         cuda = self._engine._cuda
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         self._host[name] = cuda.pagelocked_empty(max(count, 1), dtype)
         self._device[name] = cuda.mem_alloc(max(count, 1) * dtype.itemsize)
-        if not self._ctx.set_tensor_address(name, int(self._device[name])):
+        if not ctx.set_tensor_address(name, int(self._device[name])):
             raise BackendError(f"tensor {name!r}: TensorRT refused its device address")
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        engine, cuda = self._engine, self._engine._cuda
-        if self._ctx is None:
+        engine, cuda, ctx = self._engine, self._engine._cuda, self._ctx
+        if ctx is None:
             raise BackendError("the execution context is closed")
         engine._cuda_ctx.push()
         try:
@@ -315,18 +356,18 @@ class TrtContext:
                 if array.size > host.size:
                     raise BackendError(f"input {spec.name!r} shape {array.shape} exceeds the "
                                        f"engine's maximum {engine.max_shape(spec)}")
-                if not self._ctx.set_input_shape(spec.name, array.shape):
+                if not ctx.set_input_shape(spec.name, array.shape):
                     raise BackendError(f"input {spec.name!r}: TensorRT refused shape "
                                        f"{array.shape} (profile {engine.profiles.get(spec.name)})")
                 staged = host[:array.size]
                 staged[:] = array.reshape(-1)
                 cuda.memcpy_htod_async(self._device[spec.name], staged, self._stream)
-            if not self._ctx.execute_async_v3(self._stream.handle):
+            if not ctx.execute_async_v3(self._stream.handle):
                 raise BackendError("TensorRT failed to enqueue the batch: "
                                    + _errors(engine._logger))
             views = {}
             for spec in engine.outputs:
-                shape = tuple(int(d) for d in self._ctx.get_tensor_shape(spec.name))
+                shape = _dims(ctx.get_tensor_shape(spec.name))
                 count = int(np.prod(shape, dtype=np.int64)) if shape else 1
                 view = self._host[spec.name][:count]
                 cuda.memcpy_dtoh_async(view, self._device[spec.name], self._stream)
