@@ -189,8 +189,11 @@ def build_request(model: Mapping[str, Any], spec: Mapping[str, Any], engine: Eng
         engine_req["workspaceMiB"] = e["workspaceMiB"]
     if e.get("builderFlags"):
         engine_req["builderFlags"] = dict(e["builderFlags"])
+    # keyInputs: so that a builder whose own inputs hash differently (a TensorRT version
+    # other than the operator's configuration, say) can name the input that differs.
+    key_inputs = enginekey.key_inputs(m, e, engine.architecture, engine.backend_version).to_dict()
     return {"namespace": model["metadata"]["namespace"], "name": model["metadata"]["name"], "model": model_req,
-            "engine": engine_req, "target": engine.architecture, "key": engine.key}
+            "engine": engine_req, "target": engine.architecture, "key": engine.key, "keyInputs": key_inputs}
 
 
 def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineRef,

@@ -102,8 +102,13 @@ class KeyInputs:
 
     @property
     def key(self) -> str:
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_LENGTH]
+        return key_of(self.to_dict())
+
+
+def key_of(inputs: Mapping[str, Any]) -> str:
+    """The key of a `KeyInputs.to_dict()` (as recorded in a manifest or a build request)."""
+    canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_LENGTH]
 
 
 def model_identity(uri: str, version: str | None, sha256: str | None) -> str:

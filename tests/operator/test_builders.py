@@ -100,6 +100,8 @@ class TestBuildJob:
                                                                "/mnt/models"]
         req = json.loads(c["args"][2])
         e = b.plan_engines(spec(), CONFIG)[0]
+        # The operator's own key inputs travel along, so a builder that disagrees can say why.
+        assert enginekey.key_of(req.pop("keyInputs")) == e.key
         assert req == {"namespace": "vision", "name": "resnet50",
                        "model": {"uri": "pvc://models/resnet50/v1.7/resnet50.onnx", "version": "v1.7",
                                  "sha256": "3f" * 32},
