@@ -626,3 +626,26 @@ def test_event_loop_choice(monkeypatch):
 
     assert run_event_loop(loop_type(), "uvloop").startswith("uvloop")
     assert run_event_loop(loop_type(), "asyncio").startswith("asyncio")
+
+
+def test_result_cache_answers_a_repeated_request_over_http(built):
+    srv = ServerThread(built.cache, {"cpu": built.rel},
+                       {**RUNTIME, "resultCache": {"enabled": True, "maxMiB": 1, "ttlSeconds": 60}})
+    try:
+        assert srv.wait_loaded()
+
+        def cache(result):  # warm-up went through the scheduler too: count from here
+            return srv.metric("kiln_result_cache_requests_total", model=NAME, result=result) or 0.0
+
+        misses, hits = cache("miss"), cache("hit")
+        executions = srv.metric("kiln_executions_total", model=NAME, outcome="success")
+        inputs = sample(2, seed=5)
+        answers = [srv.infer({"inputs": json_inputs(inputs)}) for _ in range(3)]
+        assert [a[0] for a in answers] == [200, 200, 200]
+        assert answers[0][2]["outputs"] == answers[1][2]["outputs"] == answers[2][2]["outputs"]
+        assert (cache("miss") - misses, cache("hit") - hits) == (1.0, 2.0)
+        assert srv.metric("kiln_result_cache_bytes", model=NAME) > 0
+        # Only the first of the three reached the engine.
+        assert srv.metric("kiln_executions_total", model=NAME, outcome="success") == executions + 1
+    finally:
+        srv.close()
