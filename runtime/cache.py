@@ -166,15 +166,22 @@ def lookup(root: str | os.PathLike, namespace: str, model: str, key: str) -> Man
     if manifest.key != key:
         raise CacheIntegrityError(
             f"{directory / MANIFEST} names key {manifest.key}, but the entry is {key}")
-    engine = directory / manifest.engine_file
+    _engine_file(directory, manifest)
+    return manifest
+
+
+def _engine_file(directory: Path, manifest: "Manifest") -> tuple[Path, int]:
+    """The entry's engine path and size, once its size matches the manifest's."""
+    path = directory / manifest.engine_file
     try:
-        size = engine.stat().st_size
+        size = path.stat().st_size
     except FileNotFoundError:
-        raise CacheIntegrityError(f"{engine}: engine file missing from a published entry") from None
+        raise CacheIntegrityError(f"{path}: engine file missing from a published entry") from None
     if size != manifest.size_bytes:
         raise CacheIntegrityError(
-            f"{engine}: size {size} bytes, manifest expects {manifest.size_bytes} bytes")
-    return manifest
+            f"{path}: size {size} bytes, manifest expects {manifest.size_bytes} bytes "
+            f"(truncated or replaced); refusing to load it")
+    return path, size
 
 
 def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
@@ -257,15 +264,7 @@ def _open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int]:
     manifest = _read_manifest(directory)
     if manifest is None:
         raise CacheError(f"{directory}: not a published cache entry (no {MANIFEST})")
-    path = directory / manifest.engine_file
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CacheIntegrityError(f"{path}: engine file missing from a published entry") from None
-    if size != manifest.size_bytes:
-        raise CacheIntegrityError(
-            f"{path}: size {size} bytes, manifest expects {manifest.size_bytes} bytes "
-            f"(truncated or replaced); refusing to load it")
+    path, size = _engine_file(directory, manifest)
     return manifest, path, size
 
 
