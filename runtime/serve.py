@@ -9,6 +9,7 @@ SIGTERM: readiness false, in-flight requests finish (up to --drain-seconds), exi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEFAULT_CACHE_DIR = "/var/cache/kiln"
@@ -30,7 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime-spec", default="{}", metavar="JSON",
                         help="spec.runtime of the InferenceModel as JSON (batching, "
                              "contexts, result cache); defaults are applied")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--host", default=os.environ.get("KILN_SERVE_HOST") or "0.0.0.0",
+                        help="address to listen on (default $KILN_SERVE_HOST, else 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get 413 (default %(default)s)")

@@ -10,7 +10,7 @@ one source of truth; nothing here restates its fields.
   spec, status) or just its spec (the operator calls it on `body.spec`, so it works against
   an emulated API server that does not default). Returns a new dict.
 - `validate(obj)`: what `kubectl apply` would be told, as a list of messages formatted like
-  the API server's (`spec.autoscaling: Invalid value: "object": minReplicas must be <=
+  the API server's (`spec.autoscaling: Invalid value: minReplicas must be <=
   maxReplicas`); empty when the object is accepted. Same object-or-spec rule as above.
 
 Pure Python with PyYAML and jsonschema; cel-python is imported only when a CEL rule runs.
@@ -143,7 +143,19 @@ def validate(obj: Mapping) -> list[str]:
     value = apply_defaults(plain)
     errors += _schema_errors(value, node, prefix)
     errors += _walk_k8s(value, node, prefix)
+    errors += _builder_flag_errors(value, prefix)
     return errors
+
+
+def _builder_flag_errors(value: Mapping, prefix: str) -> list[str]:
+    """builderFlags values must be scalars. The operator's check, not the API server's: CEL
+    cannot type a map whose values preserve unknown fields, so the CRD cannot say it."""
+    spec = value.get("spec") if not prefix else value
+    flags = ((spec or {}).get("engine") or {}).get("builderFlags") or {}
+    if isinstance(flags, dict) and any(isinstance(v, (dict, list)) or v is None for v in flags.values()):
+        return ['spec.engine.builderFlags: Invalid value: '
+                'builderFlags values must be strings, numbers or booleans']
+    return []
 
 
 def _join(path: str, key: str | int) -> str:
@@ -162,7 +174,7 @@ def _path(prefix: str, node: dict | None, parts) -> str:
         elif part in props:
             path, node = _join(path, part), props[part]
         else:
-            path, node = f"{path}[{part}]", (node or {}).get("additionalProperties")
+            path, node = f"{path}.{part}", (node or {}).get("additionalProperties")
             node = node if isinstance(node, dict) else None
     return path
 
@@ -256,7 +268,7 @@ def _translate(err, path: str) -> Iterator[str]:
     elif kw == "minLength":
         yield f"{where}: Invalid value: {_go(got)}: {where} in body should be at least {want} chars long"
     elif kw == "maxLength":
-        yield f"{where}: Too long: may not be longer than {want}"
+        yield f"{where}: Too long: may not be more than {want} bytes"
     elif kw == "minItems":
         yield f"{where}: Invalid value: {len(got)}: {where} in body should have at least {want} items"
     elif kw == "maxItems":
@@ -281,7 +293,7 @@ def _walk_k8s(value: Any, node: dict, path: str) -> Iterator[str]:
             continue
         msg = _run_rule(rule, value, node)
         if msg is not None:
-            yield f"{path or '<nil>'}: Invalid value: {json.dumps(node.get('type', 'object'))}: {msg}"
+            yield f"{path or '<nil>'}: Invalid value: {msg}"
     if isinstance(value, dict):
         props = node.get("properties", {})
         extra = node.get("additionalProperties")

@@ -1,96 +1,112 @@
-"""End-to-end suite: a real cluster from $KUBECONFIG (kind, k3d), a namespace per test.
+"""The real tier: one upstream control plane per test session (tests/localcluster), Kiln
+installed from its chart with the real helm, a namespace per test.
 
-Skipped with a clear message when there is no cluster. Refuses to run on a kube context
-that is not named kind-* or k3d-* unless KILN_E2E_ALLOW_CONTEXT names it (so it never
-runs against production by accident).
+Everything listens on 127.0.0.1 and pods get 127.x addresses: nothing leaves the machine.
+Skipped, with the reason, only where the control plane cannot run: no Go toolchain to build
+it, or not root (the kubelet harness mounts volumes in private mount namespaces).
+Set KILN_E2E_KEEP=1 to keep the cluster's state (logs, pod logs, volumes) after the session;
+it is always kept, and its path printed, when a test failed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-NO_CLUSTER = "no Kubernetes cluster: set KUBECONFIG to run the end-to-end suite"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import localcluster  # noqa: E402
+from localcluster.client import Api  # noqa: E402
+from localcluster.controlplane import REPO  # noqa: E402
+
+TRANSCRIPT_ENV = "KILN_E2E_TRANSCRIPT"
 
 
-def _context() -> tuple[str, str]:
-    import kubernetes
+def _unavailable() -> str | None:
+    tools = REPO / ".tools"
+    built = any(tools.glob("kubernetes-*/bin/kube-apiserver"))
+    if not built and shutil.which("go") is None:
+        return "no Go toolchain to build the Kubernetes control plane from upstream modules (needs Go 1.26)"
+    if os.geteuid() != 0:
+        return "the kubelet harness needs root for private mount namespaces (unshare -m); run as root"
+    if not (tools / "helm").exists():
+        return "no helm in .tools/ (make tools)"
+    return None
 
-    path = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-    if not os.path.exists(path.split(os.pathsep)[0]):
-        pytest.skip(NO_CLUSTER)
-    try:
-        _, active = kubernetes.config.list_kube_config_contexts(config_file=path)
-    except Exception:
-        pytest.skip(NO_CLUSTER)
-    return path, active["name"]
+
+class Transcript:
+    """The kubectl sessions the tests show, in order: docs/e2e.md is made from them."""
+
+    def __init__(self) -> None:
+        self.sections: list[tuple[str, list[str]]] = []
+
+    def section(self, title: str) -> None:
+        self.sections.append((title, []))
+
+    def add(self, command: str, output: str) -> None:
+        if not self.sections:
+            self.section("Session")
+        self.sections[-1][1].append(f"$ {command}\n{output.rstrip()}")
+
+    def markdown(self) -> str:
+        return "\n".join(f"### {title}\n\n```\n" + "\n\n".join(blocks) + "\n```\n" for title, blocks in self.sections)
 
 
 @pytest.fixture(scope="session")
-def kubeconfig(request) -> str:
-    path, context = _context()
-    allowed = os.environ.get("KILN_E2E_ALLOW_CONTEXT", "")
-    if not (context.startswith(("kind-", "k3d-")) or context == allowed):
-        message = (f"refusing to run the end-to-end suite on kube context {context!r}: use a kind-* or k3d-* "
-                   f"cluster, or set KILN_E2E_ALLOW_CONTEXT={context} if you mean it")
-        # Asked for explicitly (make test-e2e, -m e2e): an error. Collected by a plain `make test`
-        # on a machine whose kubeconfig points elsewhere: a skip, never a run.
-        if "e2e" in (request.config.getoption("markexpr") or ""):
-            pytest.fail(message)
-        pytest.skip(message)
-    from kiln.operator import kube
-
-    try:
-        kube.Kube(kube.load_client(path))._request_sync("GET", "/version")
-    except Exception as e:
-        pytest.skip(f"{NO_CLUSTER} (context {context!r} does not answer: {e})")
-    return path
+def cluster(request):
+    reason = _unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="kiln-cluster-"))
+    started = time.monotonic()
+    c = localcluster.LocalCluster(root).up()
+    print(f"\nlocal control plane up in {time.monotonic() - started:.0f} s (state: {root})")
+    yield c
+    c.down()
+    failed = request.session.testsfailed
+    if failed or os.environ.get("KILN_E2E_KEEP"):
+        print(f"\nthe local cluster's logs are kept in {root} (logs/, pods/)")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def api(kubeconfig):
-    """REST over the kubernetes client; installs the CRD if the cluster lacks it."""
-    from kiln.operator import kube
-    from kiln.runtime import spec as specmod
+def api(cluster) -> Api:
+    return Api(cluster.kubeconfig)
 
-    k = kube.Kube(kube.load_client(kubeconfig))
-    crd = specmod.load_crd()
-    try:
-        k._request_sync("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-    except kube.ApiError as e:
-        if e.status != 409:
-            raise
-    return k
+
+@pytest.fixture(scope="session")
+def transcript():
+    t = Transcript()
+    yield t
+    target = os.environ.get(TRANSCRIPT_ENV)
+    if target and t.sections:
+        Path(target).write_text(t.markdown())
 
 
 @pytest.fixture()
-def namespace(api):
-    name = f"kiln-e2e-{uuid.uuid4().hex[:8]}"
-    api._request_sync("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                      "metadata": {"name": name}})
+def namespace(cluster, api):
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    api.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     yield name
-    api._request_sync("DELETE", f"/api/v1/namespaces/{name}")
+    api.request("DELETE", f"/api/v1/namespaces/{name}")
 
 
 @pytest.fixture()
-def operator(kubeconfig, namespace):
-    """The real operator, in this process, serving only the test's namespace."""
-    import asyncio
-    import threading
-
-    from kiln.operator import main
-    from kiln.operator.config import OperatorConfig
-
-    image = os.environ.get("KILN_E2E_IMAGE", "ghcr.io/kiln-dev/kiln-runtime:0.1.0")
-    config = OperatorConfig(builder_image=image, runtime_image=image, default_targets=("cpu",))
-    ready, stop = threading.Event(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(main.serve(
-        config, namespaces=[namespace], standalone=True, liveness=None, kubeconfig=kubeconfig,
-        ready_flag=ready, stop_flag=stop)), daemon=True)
-    thread.start()
-    assert ready.wait(60), "the operator did not start"
-    yield config
-    stop.set()
-    thread.join(60)
+def kubectl(cluster, transcript):
+    """kubectl as the admin; `show=True` records the command and its output for docs/e2e.md."""
+    def run(*args: str, show: bool = False, check: bool = True, input: str | None = None):
+        result = cluster.kubectl(*args, check=False, input=input)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        if show:
+            transcript.add("kubectl " + " ".join(args), result.stdout + result.stderr)
+        return result
+    return run

@@ -1,0 +1,288 @@
+"""Kiln on a real control plane: upstream kube-apiserver, controllers and scheduler, installed
+with helm from its own chart, the operator running with the chart's ServiceAccount, build
+and runtime pods running the real `kiln build` and `kiln serve` (tests/localcluster).
+
+The tests run in file order and share the cluster; each uses its own namespace. The last one
+upgrades and uninstalls the release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from kiln.operator import builders
+from localcluster import RELEASE, RELEASE_NAMESPACE
+from localcluster.client import dump, pods, ready, wait_for
+from localcluster.controlplane import A100, REPO
+
+pytestmark = pytest.mark.e2e
+
+DEMO_MODEL = REPO / "examples" / "demo" / "model.onnx"
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+INVALID = sorted((REPO / "tests" / "api" / "invalid").glob("*.yaml"))
+OPERATOR_SA = "kiln"
+KIM = "/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels"
+
+
+def expected_messages(path: Path) -> list[str]:
+    return [line[len("# expect: "):] for line in path.read_text().splitlines() if line.startswith("# expect: ")]
+
+
+def operator_pod(api) -> dict:
+    found = [p for p in pods(api, RELEASE_NAMESPACE, "app.kubernetes.io/component=operator")
+             if not p["metadata"].get("deletionTimestamp")]
+    return found[0] if len(found) == 1 and ready(found[0]) else None
+
+
+# ------------------------------------------------------------------------ install
+
+def test_helm_install_runs_the_operator_with_the_charts_service_account(api, kubectl, transcript):
+    transcript.section("Kiln installed with helm")
+    pod = wait_for(lambda: operator_pod(api), 120, "the operator pod Ready")
+    assert pod["spec"]["serviceAccountName"] == OPERATOR_SA
+    assert pod["spec"]["nodeName"] and pod["status"]["podIP"].startswith("127.")
+    kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide", show=True)
+    crd = kubectl("get", "crd", "inferencemodels.kiln.dev", "-o", "json")
+    conditions = {c["type"]: c["status"] for c in json.loads(crd.stdout)["status"]["conditions"]}
+    assert conditions["Established"] == "True" and conditions["NamesAccepted"] == "True"
+
+
+def test_the_chart_grants_what_the_operator_needs_and_no_more(cluster, tmp_path):
+    sa = cluster.service_account_kubeconfig(RELEASE_NAMESPACE, OPERATOR_SA, tmp_path / "sa.kubeconfig")
+
+    def can(verb: str, resource: str, ns: str = "default") -> bool:
+        answer = cluster.kubectl("auth", "can-i", verb, resource, "-n", ns, kubeconfig=sa, check=False)
+        return answer.stdout.strip() == "yes"
+
+    for verb, resource in [("create", "jobs.batch"), ("delete", "jobs.batch"), ("watch", "pods"),
+                           ("patch", "deployments.apps"), ("create", "services"), ("patch", "configmaps"),
+                           ("create", "events"), ("patch", "inferencemodels.kiln.dev/status"),
+                           ("list", "customresourcedefinitions.apiextensions.k8s.io")]:
+        assert can(verb, resource), f"the chart does not grant {verb} {resource}"
+    for verb, resource in [("get", "secrets"), ("create", "pods"), ("delete", "nodes"),
+                           ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+                           ("create", "serviceaccounts/token"), ("delete", "customresourcedefinitions")]:
+        assert not can(verb, resource), f"the chart grants {verb} {resource}, which the operator never does"
+    refused = cluster.kubectl("get", "secrets", "-n", RELEASE_NAMESPACE, kubeconfig=sa, check=False)
+    assert refused.returncode != 0 and "Forbidden" in refused.stderr, refused.stderr
+
+
+# ------------------------------------------------------------------------ the API
+
+def test_kubectl_explain_reads_the_crd_descriptions(kubectl, transcript):
+    out = kubectl("explain", "inferencemodel.spec.engine.precision", show=True).stdout
+    assert "KIND:" in out and "InferenceModel" in out and "fp16" in out
+    assert "uri" in kubectl("explain", "kim.spec.model").stdout
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
+def test_the_real_api_server_rejects_invalid_manifests_with_their_message(kubectl, api, namespace, path):
+    manifest = yaml.safe_load(path.read_text())
+    manifest["metadata"]["namespace"] = namespace
+    result = kubectl("apply", "-f", "-", check=False, input=json.dumps(manifest))
+    if "# operator-only" in path.read_text():  # a rule the CRD cannot express: the operator's answer
+        assert result.returncode == 0, result.stderr
+        engine_ready = wait_for(lambda: next((c for c in api.status(namespace, "bad").get("conditions") or ()
+                                              if c["type"] == "EngineReady" and c["reason"] == "InvalidSpec"), None),
+                                60, "EngineReady=False/InvalidSpec")
+        assert engine_ready["message"] == "; ".join(expected_messages(path))
+        return
+    assert result.returncode != 0, f"{path.name} was accepted"
+    for message in expected_messages(path):
+        assert message in result.stderr, f"{path.name}: {message!r} not in {result.stderr!r}"
+
+
+def test_every_example_is_accepted_and_listed_with_the_printer_columns(kubectl, namespace, api, transcript):
+    transcript.section("Every example, applied")
+    for path in EXAMPLES:
+        manifest = yaml.safe_load(path.read_text())
+        manifest["metadata"]["namespace"] = namespace
+        out = kubectl("apply", "-f", "-", input=json.dumps(manifest)).stdout
+        assert "created" in out
+    names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in EXAMPLES}
+    wait_for(lambda: all(api.status(namespace, n).get("phase") for n in names), 60, "a phase on every model")
+    table = kubectl("get", "kim", "-n", namespace, show=True).stdout
+    header = table.splitlines()[0].split()
+    assert header[:6] == ["NAME", "PHASE", "VERSION", "ENGINE", "READY", "DESIRED"], header
+    assert names <= {line.split()[0] for line in table.splitlines()[1:]}
+
+
+# ------------------------------------------------------------------------ a model, end to end
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def model_version(directory: Path, version: str) -> Path:
+    """The demo model as version `version`: the same graph, other bytes (a metadata entry),
+    so each version has its own digest and so its own engine key."""
+    import onnx
+
+    model = onnx.load(str(DEMO_MODEL))
+    onnx.helper.set_model_props(model, {"version": version})
+    path = directory / "iris" / version / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def iris(namespace: str, version: str, digest: str, replicas: int = 1) -> dict:
+    return {
+        "apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+        "metadata": {"name": "iris", "namespace": namespace},
+        "spec": {
+            "model": {"uri": f"pvc://models/iris/{version}/model.onnx", "version": version, "sha256": digest},
+            "engine": {"backend": "onnxruntime", "precision": "fp32", "targets": ["cpu"],
+                       "profiles": [{"input": "features", "min": [1, 4], "opt": [8, 4], "max": [64, 4]}]},
+            "runtime": {"replicas": replicas,
+                        "nodeSelector": {"nvidia.com/gpu.product": A100},
+                        "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
+                                      "limits": {"nvidia.com/gpu": 1}},
+                        "batching": {"maxBatchSize": 64, "maxQueueDelayMicroseconds": 500}},
+        },
+    }
+
+
+def claim(api, namespace: str, name: str, mode: str = "ReadWriteMany") -> None:
+    api.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}}})
+
+
+def claim_directory(cluster, api, namespace: str, name: str) -> Path:
+    wait_for(lambda: (api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}") or {})
+             .get("status", {}).get("phase") == "Bound", 60, f"PVC {name} Bound")
+    return cluster.kubelet.claim_directory(namespace, name)
+
+
+def infer(pod: dict, rows: list[list[float]]) -> dict:
+    body = json.dumps({"inputs": [{"name": "features", "shape": [len(rows), 4], "datatype": "FP32",
+                                   "data": [x for r in rows for x in r]}]}).encode()
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8080/v2/models/iris/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def jobs(api, ns: str) -> list[dict]:
+    return api.items(f"/apis/batch/v1/namespaces/{ns}/jobs")
+
+
+def runtime_pods(api, ns: str) -> list[dict]:
+    return [p for p in pods(api, ns, f"{builders.LABEL_MODEL}=iris") if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, namespace, transcript):
+    import onnxruntime
+
+    transcript.section("A model from apply to Ready")
+    claim(api, namespace, "kiln-engine-cache")
+    claim(api, namespace, "models", "ReadOnlyMany")
+    models = claim_directory(cluster, api, namespace, "models")
+    digests = {version: sha256(model_version(models, version)) for version in ("1", "2")}
+
+    kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "1", digests["1"])))
+    job = wait_for(lambda: jobs(api, namespace), 60, "the build Job")[0]
+    build_pod = wait_for(lambda: pods(api, namespace, f"job-name={job['metadata']['name']}"), 60, "the build pod")[0]
+    node = wait_for(lambda: (api.get(f"/api/v1/namespaces/{namespace}/pods/{build_pod['metadata']['name']}")
+                             or {}).get("spec", {}).get("nodeName"), 60, "the build pod scheduled")
+    assert node.startswith("builder-"), f"the build pod ran on {node}, not a builder node"
+
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180,
+             f"phase Ready (status: {dump(api.status(namespace, 'iris'))})")
+    status = api.status(namespace, "iris")
+    engine = status["engines"][0]
+    assert engine["sha256"] and engine["architecture"] == "cpu"
+    cache = claim_directory(cluster, api, namespace, "kiln-engine-cache")
+    assert (cache / engine["path"] / "manifest.json").exists(), "the engine is not in the cache PVC"
+    kubectl("get", "kim", "-n", namespace, show=True)
+    kubectl("get", "jobs,deployments,services", "-n", namespace, show=True)
+
+    [pod] = runtime_pods(api, namespace)
+    assert ready(pod) and pod["spec"]["nodeName"] == "gpu-a100-0", pod["spec"]["nodeName"]
+    rows = [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]
+    answer = infer(pod, rows)
+    direct = onnxruntime.InferenceSession(str(DEMO_MODEL)).run(None, {"features": np.array(rows, np.float32)})
+    outputs = {o["name"]: o for o in answer["outputs"]}
+    np.testing.assert_allclose(outputs["probabilities"]["data"], direct[0].ravel(), rtol=1e-5)
+    assert outputs["species"]["data"] == direct[1].ravel().tolist()
+
+    # The scale subresource: kubectl scale -> the Deployment -> two pods Ready.
+    kubectl("scale", "kim", "iris", "-n", namespace, "--replicas=2", show=True)
+    wait_for(lambda: len([p for p in runtime_pods(api, namespace) if ready(p)]) == 2
+             and api.status(namespace, "iris").get("readyReplicas") == 2, 120, "two ready replicas")
+
+    # A new version: its engine is built before anything running changes, then the real
+    # Deployment controller rolls the pods.
+    old_key = status["engineKey"]
+    kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "2", digests["2"], replicas=2)))
+    new_job = wait_for(lambda: [j for j in jobs(api, namespace) if old_key not in j["metadata"]["name"]], 60,
+                       "the new version's build Job")[0]
+    new_key = new_job["metadata"]["labels"][builders.LABEL_KEY]
+    deployment = api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-runtime")
+    if not api.status(namespace, "iris").get("engineKey") == new_key:
+        assert deployment["spec"]["template"]["metadata"]["labels"][builders.LABEL_ENGINE_KEY] == old_key
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready"
+             and api.status(namespace, "iris").get("engineKey") == new_key
+             and all(p["metadata"]["labels"].get(builders.LABEL_ENGINE_KEY) == new_key and ready(p)
+                     for p in runtime_pods(api, namespace))
+             and len(runtime_pods(api, namespace)) == 2, 240, "version 2 rolled out")
+    infer(runtime_pods(api, namespace)[0], rows)
+    kubectl("get", "kim", "-n", namespace, "-o", "wide", show=True)
+
+    # Restarting the operator (its pod, deleted; the Deployment controller makes another)
+    # creates nothing twice.
+    before = {kind: sorted(o["metadata"]["uid"] for o in api.items(path)) for kind, path in (
+        ("jobs", f"/apis/batch/v1/namespaces/{namespace}/jobs"),
+        ("deployments", f"/apis/apps/v1/namespaces/{namespace}/deployments"),
+        ("services", f"/api/v1/namespaces/{namespace}/services"))}
+    old_operator = operator_pod(api)
+    kubectl("delete", "pod", "-n", RELEASE_NAMESPACE, old_operator["metadata"]["name"])
+    wait_for(lambda: (operator_pod(api) or {}).get("metadata", {}).get("uid") not in (None, old_operator["metadata"]["uid"]),
+             120, "a new operator pod Ready")
+    kubectl("annotate", "kim", "iris", "-n", namespace, "e2e/poke=1")  # an event for the new operator
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 30, "Ready after the restart")
+    after = {kind: sorted(o["metadata"]["uid"] for o in api.items(path)) for kind, path in (
+        ("jobs", f"/apis/batch/v1/namespaces/{namespace}/jobs"),
+        ("deployments", f"/apis/apps/v1/namespaces/{namespace}/deployments"),
+        ("services", f"/api/v1/namespaces/{namespace}/services"))}
+    assert after == before
+
+    kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
+            "--sort-by=.lastTimestamp", show=True)
+
+    # Deleting the model: the real garbage collector removes what it owned.
+    kubectl("delete", "kim", "iris", "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(lambda: not api.items(f"/apis/apps/v1/namespaces/{namespace}/deployments")
+             and not api.items(f"/api/v1/namespaces/{namespace}/services")
+             and not runtime_pods(api, namespace)
+             and not jobs(api, namespace), 120, "the garbage collector to remove the model's children")
+
+
+# ------------------------------------------------------------------------ upgrade and uninstall
+
+def test_helm_upgrade_rolls_the_operator_and_uninstall_keeps_the_crd(cluster, api, kubectl, transcript):
+    old = wait_for(lambda: operator_pod(api), 60, "the operator Ready")
+    cluster.helm("upgrade", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,
+                 "--reuse-values", "--set", "operator.defaultTargets={sm80}", "--wait", "--timeout", "3m")
+    new = wait_for(lambda: (lambda p: p if p and p["metadata"]["uid"] != old["metadata"]["uid"] else None)(
+        operator_pod(api)), 120, "the upgraded operator pod")
+    assert "--default-targets=sm80" in new["spec"]["containers"][0]["args"]
+
+    transcript.section("helm uninstall")
+    out = cluster.helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "2m")
+    transcript.add(f"helm uninstall {RELEASE} --namespace {RELEASE_NAMESPACE}", out.stdout + out.stderr)
+    wait_for(lambda: not api.items(f"/apis/apps/v1/namespaces/{RELEASE_NAMESPACE}/deployments"), 60,
+             "the operator Deployment gone")
+    # Helm never deletes a chart's crds/ (documented in docs/operations.md): models survive.
+    assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev")
+    # The engine cache claim is kept (helm.sh/resource-policy: keep).
+    assert api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
+    assert not api.get(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{RELEASE}-cluster")

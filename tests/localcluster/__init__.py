@@ -1,0 +1,82 @@
+"""Kiln on a real Kubernetes control plane on one machine: upstream kube-apiserver,
+controller-manager and scheduler, etcd, kwok's fake GPU nodes, the kubelet harness for the
+pods that do real work, and Kiln installed from its own chart with the real helm.
+
+Used by the real tier of the tests (tests/e2e) and by `make cluster` (`python -m localcluster`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .controlplane import REPO, ControlPlane, binaries, gpu_cluster_nodes, write_kubeconfig
+from .kubelet import Kubelet
+
+RELEASE, RELEASE_NAMESPACE = "kiln", "kiln-system"
+HELM = REPO / ".tools" / "helm"
+# The operator's health port: every pod shares the host's network here, and runtime pods
+# take 8080 on their own addresses, so the operator's wildcard listener goes elsewhere.
+INSTALL_VALUES = {"operator": {"healthPort": 18080}}
+
+
+class LocalCluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.control_plane: ControlPlane | None = None
+        self.kubelet: Kubelet | None = None
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.control_plane.admin_kubeconfig
+
+    def up(self, install: bool = True) -> "LocalCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.control_plane = ControlPlane(self.root, binaries())
+            self.control_plane.start(gpu_cluster_nodes())
+            self.kubelet = Kubelet(self.kubeconfig, self.root, self.control_plane.api_port).start()
+            if install:
+                self.helm("install", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,
+                          "--create-namespace", "--wait", "--timeout", "3m", values=INSTALL_VALUES)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        if self.kubelet is not None:
+            self.kubelet.stop()
+        if self.control_plane is not None:
+            self.control_plane.stop()
+
+    # ---- tools a user runs
+
+    def kubectl(self, *args: str, kubeconfig: Path | None = None, check: bool = True,
+                input: str | None = None) -> subprocess.CompletedProcess:
+        return self.control_plane.kubectl(*args, kubeconfig=kubeconfig, check=check, input=input)
+
+    def helm(self, *args: str, values: dict[str, Any] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        home = self.root / "helm"
+        env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
+               "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(self.kubeconfig)}
+        extra: list[str] = []
+        if values:
+            path = self.root / "helm-values.yaml"
+            path.write_text(yaml.safe_dump(values))
+            extra = ["--values", str(path)]
+        result = subprocess.run([str(HELM), *args, *extra], env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, timeout=300)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+        return result
+
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
+        """A kubeconfig holding a TokenRequest token of a ServiceAccount: exactly its RBAC."""
+        token = self.kubectl("create", "token", name, "--namespace", namespace, "--duration", "2h").stdout.strip()
+        return write_kubeconfig(path, self.control_plane.server, self.control_plane.ca, token=token,
+                                user=f"{namespace}:{name}")
