@@ -62,9 +62,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{datetime.date.today().isoformat()}: {machine()}.\n"
         "Each target is judged by a ratio against a baseline measured in the same run.\n"
     )
-    Path(args.output).write_text(header + "\n" + "\n\n".join(sections) + "\n")
+    output = Path(args.output)
+    if args.only and output.exists():  # replace just these sections, keep the others
+        sections = _merge(output.read_text(), sections)
+    output.write_text(header + "\n" + "\n\n".join(sections) + "\n")
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+def _merge(existing: str, new: list[str]) -> list[str]:
+    """The sections of `existing` (split at `## ` headings) with those of `new` in place of
+    the ones that have the same heading; new headings are appended."""
+    old = ["## " + part.strip() for part in existing.split("\n## ")[1:]]
+    fresh = {section.splitlines()[0]: section for section in new}
+    merged = [fresh.pop(section.splitlines()[0], section) for section in old]
+    return merged + list(fresh.values())
 
 
 if __name__ == "__main__":

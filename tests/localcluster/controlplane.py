@@ -59,8 +59,8 @@ def _gpu_node(name: str, product: str, gpus: int, role: str | None = None) -> di
 
 
 def node(name: str, cpu: str, memory: str, gpus: int = 0, labels: dict[str, str] | None = None,
-         taints: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "500Gi"}
+         taints: list[dict[str, str]] | None = None, pods: int = 110) -> dict[str, Any]:
+    capacity = {"cpu": cpu, "memory": memory, "pods": str(pods), "ephemeral-storage": "500Gi"}
     if gpus:
         capacity["nvidia.com/gpu"] = str(gpus)
     return {

@@ -217,6 +217,10 @@ class Kubelet:
     def _on_claim(self, kind: str, claim: dict) -> None:
         if kind == "DELETED" or claim["spec"].get("volumeName") or (claim.get("status") or {}).get("phase") == "Bound":
             return
+        self.provision(claim)
+
+    def provision(self, claim: dict) -> None:
+        """A hostPath PersistentVolume for `claim`, pre-bound to it (the PV binder finishes)."""
         meta = claim["metadata"]
         directory = self.root / "volumes" / f"{meta['namespace']}-{meta['name']}-{meta['uid'][:8]}"
         directory.mkdir(parents=True, exist_ok=True)
