@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Go builds the control plane (hack/build_controlplane.py); where it usually lives, if not on PATH.
 export PATH := $(PATH):/usr/local/go/bin
 
-.PHONY: demo test test-e2e bench bench-tools install tools controlplane cluster cluster-down clean
+.PHONY: demo test test-e2e bench bench-tools install tools controlplane cluster cluster-down e2e-docs clean
 
 # The virtual environment with pinned test dependencies and Kiln linked in (strict
 # editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
@@ -47,6 +47,10 @@ test: install tools controlplane
 # Only the real tier (tests/e2e): the control plane, helm install, real builds and pods.
 test-e2e: install tools controlplane
 	$(BIN)/pytest -q -m e2e tests/e2e
+
+# docs/e2e.md's kubectl sessions, captured from a run of the real tier.
+e2e-docs: install tools controlplane
+	KILN_E2E_TRANSCRIPT=$(CURDIR)/docs/e2e.md $(BIN)/pytest -q -m e2e tests/e2e
 
 # A local control plane with Kiln installed from the chart, left running; prints the KUBECONFIG.
 cluster: install tools controlplane

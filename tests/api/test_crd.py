@@ -21,7 +21,8 @@ from kiln.runtime import enginekey, spec
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / spec.CRD_FILE
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(
-    p for p in [ROOT / "examples" / "demo" / "inferencemodel.yaml"] if p.exists())
+    p for p in [ROOT / "examples" / "demo" / "inferencemodel.yaml", ROOT / "examples" / "demo" / "cluster.yaml"]
+    if p.exists())
 INVALID = sorted((Path(__file__).parent / "invalid").glob("*.yaml"))
 
 

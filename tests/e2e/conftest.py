@@ -26,7 +26,10 @@ import localcluster  # noqa: E402
 from localcluster.client import Api  # noqa: E402
 from localcluster.controlplane import REPO  # noqa: E402
 
+# `make e2e-docs`: the kubectl sessions the tests show replace what stands between the
+# markers in docs/e2e.md (only after a run with no failure).
 TRANSCRIPT_ENV = "KILN_E2E_TRANSCRIPT"
+TRANSCRIPT_START, TRANSCRIPT_END = "<!-- transcript: written by make e2e-docs -->", "<!-- /transcript -->"
 
 
 def _unavailable() -> str | None:
@@ -83,12 +86,15 @@ def api(cluster) -> Api:
 
 
 @pytest.fixture(scope="session")
-def transcript():
+def transcript(request):
     t = Transcript()
     yield t
     target = os.environ.get(TRANSCRIPT_ENV)
-    if target and t.sections:
-        Path(target).write_text(t.markdown())
+    if target and t.sections and not request.session.testsfailed:
+        path = Path(target)
+        text = path.read_text()
+        start, end = text.index(TRANSCRIPT_START) + len(TRANSCRIPT_START), text.index(TRANSCRIPT_END)
+        path.write_text(text[:start] + "\n" + t.markdown() + text[end:])
 
 
 @pytest.fixture()

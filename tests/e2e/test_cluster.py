@@ -25,7 +25,7 @@ from localcluster.controlplane import A100, REPO
 pytestmark = pytest.mark.e2e
 
 DEMO_MODEL = REPO / "examples" / "demo" / "model.onnx"
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml")) + [REPO / "examples" / "demo" / "cluster.yaml"]
 INVALID = sorted((REPO / "tests" / "api" / "invalid").glob("*.yaml"))
 OPERATOR_SA = "kiln"
 KIM = "/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels"

@@ -8,6 +8,7 @@ Used by the real tier of the tests (tests/e2e) and by `make cluster` (`python -m
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,22 @@ class LocalCluster:
             self.down()
             raise
         return self
+
+    def seed_demo(self, namespace: str = "default") -> None:
+        """The PVCs examples/demo/cluster.yaml expects: the engine cache, and `models` holding
+        examples/demo/model.onnx at iris/model.onnx (what a user copies onto a volume)."""
+        from .client import Api, wait_for
+
+        api = Api(self.kubeconfig)
+        for name in ("kiln-engine-cache", "models"):
+            api.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", {
+                "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+                "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+        path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/models"
+        wait_for(lambda: (api.get(path) or {}).get("status", {}).get("phase") == "Bound", 60, "PVC models Bound")
+        target = self.kubelet.claim_directory(namespace, "models") / "iris" / "model.onnx"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / "examples" / "demo" / "model.onnx", target)
 
     def down(self) -> None:
         if self.kubelet is not None:

@@ -34,6 +34,7 @@ def run() -> int:
     cluster = LocalCluster(STATE)
     try:
         cluster.up()
+        cluster.seed_demo()
     except Exception as e:
         FAILED.write_text(f"{e}\n")
         raise
@@ -59,7 +60,7 @@ def start(timeout: float) -> int:
         if READY.exists():
             print(f"Kiln is installed on a local control plane (logs: {STATE}/logs, {STATE}/pods).\n"
                   f"  export KUBECONFIG={READY.read_text()}\n"
-                  f"  kubectl apply -f examples/demo/inferencemodel-cluster.yaml   # and watch: kubectl get kim -A -w\n"
+                  f"  kubectl apply -f examples/demo/cluster.yaml   # then: kubectl get kim -w\n"
                   f"`make cluster-down` stops it.")
             return 0
         if proc.poll() is not None or FAILED.exists():
