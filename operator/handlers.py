@@ -9,7 +9,7 @@
   instead of the API.
 - A watch event on a build Job or its pod reconciles every model that needs that Job
   (found through the `kiln_models_by_job` index, so models that share a Job without
-  owning it are woken too); an event on a runtime Deployment reconciles its model. That
+  owning it are woken too); an event on a runtime Deployment or Service reconciles its model. That
   is how a finished build is acted on within a second, without polling.
 
 Handlers are registered on an explicit registry by `register()`, so the timer interval
@@ -178,8 +178,9 @@ async def on_build_pod_event(namespace: str, labels: Mapping[str, str], body: Ma
     await _wake_models_of_job(namespace, job, memo, kw, logger)
 
 
-async def on_deployment_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
-                              **kw: Any) -> None:
+async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
+                           **kw: Any) -> None:
+    """A runtime Deployment or Service changed or went: reconcile its model (label kiln.dev/model)."""
     model = labels.get(b.LABEL_MODEL)
     if model:
         await _reconcile_models([(namespace, model)], memo, kw, logger)
@@ -203,5 +204,6 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
 
     kopf.on.event(*JOBS, id="job", labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
     kopf.on.event(*PODS, id="build-pod", labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
-    kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_deployment_event)
+    kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_runtime_event)
+    kopf.on.event(*SERVICES, id="service", labels=KILN, registry=registry)(on_runtime_event)
     return registry

@@ -72,7 +72,7 @@ class Context:
         if cached is not None and cached[0] == text:
             return cached[1], cached[2], cached[3]
         spec = specmod.apply_defaults(dict(raw_spec))
-        problems = specmod.validate(spec)
+        problems = specmod.validate_for_cluster(spec)
         engines: list[b.EngineRef] = []
         if not problems:
             try:

@@ -147,6 +147,23 @@ def validate(obj: Mapping) -> list[str]:
     return errors
 
 
+# URI schemes that only `kiln dev` reads: a build Job would read its builder node's disk.
+DEV_ONLY_SCHEMES = ("file:",)
+
+
+def validate_for_cluster(obj: Mapping) -> list[str]:
+    """`validate(obj)` plus what the operator refuses in a cluster and `kiln dev` accepts:
+    a `file://` model URI (the CRD allows it so that one manifest serves both)."""
+    errors = validate(obj)
+    plain = _plain(obj)
+    spec = plain.get("spec") if _OBJECT_KEYS & plain.keys() else plain
+    uri = str(((spec or {}).get("model") or {}).get("uri") or "")
+    if uri.startswith(DEV_ONLY_SCHEMES):
+        errors.append(f"spec.model.uri: Invalid value: {_go(uri)}: file:// URIs are for `kiln dev` only; "
+                      f"in a cluster use pvc://<claim>/<path>, https:// or s3://")
+    return errors
+
+
 def _builder_flag_errors(value: Mapping, prefix: str) -> list[str]:
     """builderFlags values must be scalars. The operator's check, not the API server's: CEL
     cannot type a map whose values preserve unknown fields, so the CRD cannot say it."""

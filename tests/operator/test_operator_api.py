@@ -335,3 +335,29 @@ def test_autoscaled_replicas_follow_the_scale_subresource_within_bounds(api, ope
              "replicas clamped to maxReplicas")
     template = api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]
     assert template == dep["spec"]["template"]  # a replica change is not a rollout
+
+
+def test_file_uri_is_refused_in_a_cluster(api, operator):
+    ns, name = "fileuri", "local"
+    m = model(ns, name)
+    m["spec"]["model"]["uri"] = "file:///models/local.onnx"
+    api.apply(m)  # the CRD accepts it (one manifest serves `kiln dev` too)
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Failed" and status(api, ns, name), 10, "Failed")
+    er = condition(st, "EngineReady")
+    assert er["reason"] == "InvalidSpec" and "kiln dev" in er["message"]
+    import time
+    time.sleep(0.5)
+    assert jobs(api, ns) == []  # no build Job reads a builder node's filesystem
+
+
+def test_deleted_service_comes_back_on_its_watch_event(api, operator):
+    # The module's operator resyncs every 600 s: only the Service's own watch event can bring it back.
+    ns, name = "svcwatch", "gone"
+    api.apply(model(ns, name))
+    [job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, job)
+    svc = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")
+    api.delete("Service", ns, name)
+    back = api.wait(lambda: (lambda s: s if s and s["metadata"]["uid"] != svc["metadata"]["uid"] else None)(
+        api.get("Service", ns, name)), 5, "the Service recreated")
+    assert back["spec"]["selector"] == {b.LABEL_MODEL: name}
