@@ -28,11 +28,8 @@ from typing import Any, Iterator
 
 import yaml
 
-GROUP = "kiln.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceModel"
-PLURAL = "inferencemodels"
+from kiln.runtime.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401 (re-exported)
+
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{CRD_NAME}.yaml"
 
