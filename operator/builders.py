@@ -222,7 +222,7 @@ def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineR
                         "resources": _resources(build, engine.backend),
                         "securityContext": _security_context(),
                         "volumeMounts": mounts,
-                        "terminationMessagePath": "/dev/termination-log",
+                        "terminationMessagePath": contract.TERMINATION_LOG,
                         "terminationMessagePolicy": "FallbackToLogsOnError",
                     }],
                     "volumes": volumes,
@@ -420,7 +420,7 @@ def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[s
 def engine_index_configmap(namespace: str, data: Mapping[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": ENGINE_INDEX, "namespace": namespace,
-                         "labels": {"app.kubernetes.io/name": "kiln-engine-index", **MANAGED_BY}},
+                         "labels": {"app.kubernetes.io/name": ENGINE_INDEX, **MANAGED_BY}},
             "data": dict(data)}
 
 

@@ -40,11 +40,11 @@ CONFIGMAPS = ("", "v1", "configmaps")
 LABEL_SELECTORS = {
     JOBS: builders.LABEL_KEY,
     PODS: builders.LABEL_KEY,
-    DEPLOYMENTS: "app.kubernetes.io/managed-by=kiln",
-    SERVICES: "app.kubernetes.io/managed-by=kiln",
+    DEPLOYMENTS: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
+    SERVICES: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
 }
 FIELD_SELECTORS = {CONFIGMAPS: f"metadata.name={builders.ENGINE_INDEX}"}
-KILN = {"app.kubernetes.io/managed-by": "kiln"}
+KILN = {k: v for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")}
 
 
 # ------------------------------------------------------------------------ indexes

@@ -99,7 +99,7 @@ async def _write_status(ctx: Context, model: Mapping[str, Any], previous: Mappin
             if k not in status and (k in server or k in previous):
                 patch[k] = None
         try:
-            await ctx.kube.patch("InferenceModel", meta["namespace"], meta["name"], {"status": patch},
+            await ctx.kube.patch(contract.KIND, meta["namespace"], meta["name"], {"status": patch},
                                  subresource="status")
         except ApiError as e:
             if e.status == 404:
