@@ -8,7 +8,8 @@ function is tested without a cluster (tests/operator/test_builders.py).
 - `build_job`: the build Job for one engine (`kiln build --request ...`).
 - `runtime_deployment`, `runtime_service`: the serving workload (`kiln serve ...`).
 - `job_state`, `termination_result`: what a finished build Job and its pod say.
-- `compute_status`: phase, conditions, engines, replicas from what was observed.
+- `observe_deployment`, `template_drift`: what a live runtime Deployment says, and where
+  its pod template differs from what Kiln applied.
 """
 
 from __future__ import annotations
@@ -19,39 +20,19 @@ import json
 import math
 from typing import Any, Iterable, Mapping
 
-from kiln.operator import conditions as cond
 from kiln.operator.config import OperatorConfig
-from kiln.runtime import enginekey
+from kiln.runtime import contract, enginekey
 
-GROUP, VERSION, KIND = "kiln.dev", "v1alpha1", "InferenceModel"
-API_VERSION = f"{GROUP}/{VERSION}"
+# The shared contract, re-exported for the operator's modules and tests (one home: runtime/contract.py).
+from kiln.runtime.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION, ANN_MODEL_VERSION,  # noqa: E402,F401
+                                   ANN_REQUESTED_BY, API_VERSION, CACHE_DIR, ENGINE_INDEX, GROUP, KIND, LABEL_ENGINE_KEY,
+                                   LABEL_KEY, LABEL_MODEL, LABEL_ROLE, LABEL_TARGET, LABEL_TRACK, MANAGED_BY, PVC_ROOT,
+                                   SERVICE_PORT, VERSION)
+from kiln.runtime.errors import EXIT_REASONS  # noqa: E402,F401
 
-# Labels and annotations Kiln sets (and selects on).
-LABEL_KEY = "kiln.dev/key"
-LABEL_TARGET = "kiln.dev/target"
-LABEL_MODEL = "kiln.dev/model"
-LABEL_ENGINE_KEY = "kiln.dev/engine-key"
-LABEL_TRACK = "kiln.dev/track"
-LABEL_ROLE = "kiln.dev/role"
-ANN_REQUESTED_BY = "kiln.dev/requested-by"
-ANN_GENERATION = "kiln.dev/generation"
-ANN_APPLIED = "kiln.dev/applied"  # JSON of the manifest Kiln last applied (for 3-way patches)
-ANN_APPLIED_HASH = "kiln.dev/applied-hash"  # its hash: unchanged hash, no write
-MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln", "app.kubernetes.io/part-of": "kiln"}
-
-ENGINE_INDEX = "kiln-engine-index"  # ConfigMap per namespace: "<key>.<target>" -> build result JSON
-CACHE_DIR = "/var/cache/kiln"
-PVC_ROOT = "/mnt/models"
 RUNTIME_PORT_NAME = "http"
-SERVICE_PORT = 8080
 GPU = "nvidia.com/gpu"
 NON_ROOT_UID = 65532  # the images' USER (Dockerfile)
-
-# `kiln build` exit codes (the runtime's contract) -> a reason a person can act on.
-EXIT_REASONS = {
-    1: "BuildError", 2: "BadRequest", 3: "SourceUnreachable", 4: "DigestMismatch",
-    5: "InvalidModel", 6: "Unsupported", 7: "OutOfDisk", 8: "KeyMismatch",
-}
 
 
 # ------------------------------------------------------------------------ engines
@@ -72,7 +53,7 @@ class EngineRef:
 
     @property
     def index_key(self) -> str:
-        return f"{self.key}.{self.architecture}"
+        return contract.index_key(self.key, self.architecture)
 
 
 def job_name(key: str, architecture: str) -> str:
@@ -180,20 +161,9 @@ def pvc_source(uri: str) -> tuple[str, str] | None:
 
 def build_request(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineRef) -> dict[str, Any]:
     m, e = spec["model"], spec.get("engine") or {}
-    model_req = {"uri": m["uri"], "version": m.get("version", "")}
-    if m.get("sha256"):
-        model_req["sha256"] = m["sha256"]
-    engine_req: dict[str, Any] = {"backend": engine.backend, "precision": e.get("precision", "fp16"),
-                                  "profiles": list(e.get("profiles") or [])}
-    if e.get("workspaceMiB") is not None:
-        engine_req["workspaceMiB"] = e["workspaceMiB"]
-    if e.get("builderFlags"):
-        engine_req["builderFlags"] = dict(e["builderFlags"])
-    # keyInputs: so that a builder whose own inputs hash differently (a TensorRT version
-    # other than the operator's configuration, say) can name the input that differs.
     key_inputs = enginekey.key_inputs(m, e, engine.architecture, engine.backend_version).to_dict()
-    return {"namespace": model["metadata"]["namespace"], "name": model["metadata"]["name"], "model": model_req,
-            "engine": engine_req, "target": engine.architecture, "key": engine.key, "keyInputs": key_inputs}
+    return contract.build_request(model["metadata"]["namespace"], model["metadata"]["name"], m,
+                                  {**e, "backend": engine.backend}, engine.architecture, engine.key, key_inputs)
 
 
 def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineRef,
@@ -230,7 +200,7 @@ def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineR
             "namespace": meta["namespace"],
             "labels": dict(labels),
             "annotations": {ANN_REQUESTED_BY: meta["name"], ANN_GENERATION: str(meta.get("generation", 1)),
-                            "kiln.dev/model-version": str(spec["model"].get("version", ""))},
+                            ANN_MODEL_VERSION: str(spec["model"].get("version", ""))},
             "ownerReferences": [owner_reference(model)],
         },
         "spec": {
@@ -252,7 +222,7 @@ def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineR
                         "resources": _resources(build, engine.backend),
                         "securityContext": _security_context(),
                         "volumeMounts": mounts,
-                        "terminationMessagePath": "/dev/termination-log",
+                        "terminationMessagePath": contract.TERMINATION_LOG,
                         "terminationMessagePolicy": "FallbackToLogsOnError",
                     }],
                     "volumes": volumes,
@@ -299,20 +269,7 @@ def termination_state(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | Non
 def termination_result(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The build result JSON from the pod's termination message, or None if none is readable."""
     term = termination_state(pods)
-    if not term or not term.get("message"):
-        return None
-    text = term["message"].strip()
-    # FallbackToLogsOnError: the message may be the tail of the log; the result is its last JSON line.
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                result = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(result, dict) and "ok" in result:
-                return result
-    return None
+    return contract.parse_result(term.get("message")) if term else None
 
 
 def failure_message(state: JobState, pods: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
@@ -463,26 +420,16 @@ def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[s
 def engine_index_configmap(namespace: str, data: Mapping[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": ENGINE_INDEX, "namespace": namespace,
-                         "labels": {"app.kubernetes.io/name": "kiln-engine-index", **MANAGED_BY}},
+                         "labels": {"app.kubernetes.io/name": ENGINE_INDEX, **MANAGED_BY}},
             "data": dict(data)}
 
 
-# ------------------------------------------------------------------------ status
-
-@dataclasses.dataclass
-class EngineObservation:
-    engine: EngineRef
-    state: str  # Ready | Building | Pending | Failed
-    result: Mapping[str, Any] | None = None
-    reason: str = ""
-    message: str = ""
-
+# ------------------------------------------------------------------------ what a Deployment says
 
 @dataclasses.dataclass
 class DeploymentObservation:
     exists: bool = False
     engine_key: str = ""  # the key its pod template runs
-    current: bool = False  # its template equals what the current engines need
     replicas: int = 0
     ready: int = 0
     updated: int = 0
@@ -490,7 +437,7 @@ class DeploymentObservation:
     rolled_out: bool = False  # the controller saw the latest generation and every pod is updated
 
 
-def observe_deployment(dep: Mapping[str, Any] | None, desired_hash: str | None) -> DeploymentObservation:
+def observe_deployment(dep: Mapping[str, Any] | None) -> DeploymentObservation:
     if not dep:
         return DeploymentObservation()
     meta, spec, status = dep.get("metadata") or {}, dep.get("spec") or {}, dep.get("status") or {}
@@ -501,123 +448,68 @@ def observe_deployment(dep: Mapping[str, Any] | None, desired_hash: str | None) 
     seen = int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
     labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
     return DeploymentObservation(
-        exists=True, engine_key=labels.get(LABEL_ENGINE_KEY, ""),
-        current=desired_hash is not None and (meta.get("annotations") or {}).get(ANN_APPLIED_HASH) == desired_hash,
-        replicas=replicas, ready=ready, updated=updated, desired=desired,
-        rolled_out=seen and updated >= desired and replicas <= desired)
+        exists=True, engine_key=labels.get(LABEL_ENGINE_KEY, ""), replicas=replicas, ready=ready, updated=updated,
+        desired=desired, rolled_out=seen and updated >= desired and replicas <= desired)
 
 
-def status_engines(observed: list[EngineObservation], version: str) -> list[dict[str, Any]]:
-    out = []
-    for o in observed:
-        entry: dict[str, Any] = {"key": o.engine.key, "target": o.engine.target,
-                                 "architecture": o.engine.architecture, "version": version}
-        r = o.result or {}
-        for src, dst in (("path", "path"), ("sha256", "sha256"), ("sizeBytes", "sizeBytes"),
-                         ("buildSeconds", "buildSeconds"), ("cacheHit", "cacheHit")):
-            if r.get(src) is not None:
-                entry[dst] = r[src]
-        out.append(entry)
-    return out
+# The container fields Kiln restores when someone else changes them (the kopf index of
+# Deployments keeps these, and nothing else of the pod spec).
+DRIFT_FIELDS = ("image", "command", "args", "env", "envFrom", "resources", "startupProbe", "readinessProbe",
+                "livenessProbe")
+_QUANTITY_SUFFIXES = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+                      "P": 1e15, "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+                      "Ei": 2**60}
 
 
-def compute_status(model: Mapping[str, Any], spec: Mapping[str, Any], engines: list[EngineObservation],
-                   deployment: DeploymentObservation, clock: cond.Clock = cond.utcnow,
-                   invalid: str | None = None) -> dict[str, Any]:
-    """The whole status from what was observed. Conditions keep their transition times."""
-    meta = model["metadata"]
-    previous = (model.get("status") or {})
-    generation = int(meta.get("generation") or 1)
-    conds = list(previous.get("conditions") or [])
-    name = meta["name"]
-    version = str(spec.get("model", {}).get("version", ""))
-    status: dict[str, Any] = {"observedGeneration": generation}
+def _quantity(value: Any) -> Any:
+    """A resource quantity as a number ("1000m" and 1 are equal), else the value as text."""
+    text = str(value)
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if suffix and not text.endswith(suffix):
+            continue
+        try:
+            return round(float(text[:len(text) - len(suffix)] if suffix else text) * _QUANTITY_SUFFIXES[suffix], 9)
+        except ValueError:
+            continue
+    return text
 
-    def setc(type_: str, value: bool | str, reason: str, message: str) -> None:
-        nonlocal conds
-        conds = cond.set_condition(conds, type_, value, reason, message, generation, clock)
 
-    if invalid is not None:
-        setc("EngineReady", False, "InvalidSpec", invalid)
-        setc("Progressing", False, "InvalidSpec", "the spec cannot work; change it to proceed")
-        serving = deployment.exists and deployment.ready > 0
-        setc("Available", serving, "MinimumReplicasAvailable" if serving else "NoEngine",
-             f"{deployment.ready} ready replica(s) of the previous version" if serving else "nothing is serving")
-        setc("Degraded", True, "InvalidSpec", invalid)
-        status.update(phase="Failed", conditions=conds, engines=list(previous.get("engines") or []),
-                      replicas=deployment.replicas, readyReplicas=deployment.ready,
-                      selector=f"{LABEL_MODEL}={name}")
-        for k in ("engineKey", "stable"):
-            if previous.get(k) is not None:
-                status[k] = previous[k]
-        return status
+def _covers(live: Any, want: Any, quantities: bool = False) -> bool:
+    """`live` has everything `want` has (the API server adds defaults: scheme, successThreshold ...)."""
+    if isinstance(want, dict):
+        return isinstance(live, dict) and all(_covers(live.get(k), v, quantities) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(
+            _covers(a, b, quantities) for a, b in zip(live, want))
+    if quantities:
+        return _quantity(live) == _quantity(want)
+    return live == want or (live is not None and str(live) == str(want))
 
-    failed = [o for o in engines if o.state == "Failed"]
-    missing = [o for o in engines if o.state != "Ready"]
-    if failed:
-        setc("EngineReady", False, "BuildFailed", "; ".join(
-            f"engine {o.engine.key} for {o.engine.architecture} (Job {o.engine.job_name}): {o.message}" for o in failed))
-    elif missing:
-        setc("EngineReady", False, "Building", "building " + ", ".join(
-            f"engine {o.engine.key} for {o.engine.architecture} (Job {o.engine.job_name})" for o in missing))
-    else:
-        hits = sum(1 for o in engines if (o.result or {}).get("cacheHit"))
-        setc("EngineReady", True, "EnginesReady",
-             f"{len(engines)} engine(s) in the cache ({hits} cache hit(s)): "
-             + ", ".join(f"{o.engine.architecture}={o.engine.key}" for o in engines))
 
-    current_key = engines[0].engine.key if engines else ""
-    serving = deployment.exists and deployment.ready > 0
-    on_current = deployment.exists and deployment.current
-    if serving:
-        setc("Available", True, "MinimumReplicasAvailable",
-             f"{deployment.ready}/{deployment.desired} replica(s) ready, engine {deployment.engine_key}")
-    elif deployment.exists:
-        setc("Available", False, "NoReadyReplicas" if deployment.desired else "ScaledToZero",
-             f"0/{deployment.desired} replica(s) ready")
-    else:
-        setc("Available", False, "NoEngine" if missing else "Deploying",
-             "waiting for the engines to be built" if missing else "creating the runtime Deployment")
+def template_drift(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -> list[str]:
+    """The container fields (`runtime.image`, ...) of the live Deployment that differ from the
+    manifest Kiln applied; empty when they match or the live object shows no containers."""
+    live_containers = (((live or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("containers")
+    if live_containers is None:
+        return []
+    by_name = {c.get("name"): c for c in live_containers}
+    drift = []
+    for want in applied["spec"]["template"]["spec"]["containers"]:
+        have = by_name.get(want["name"])
+        if have is None:
+            drift.append(want["name"])
+            continue
+        for field in DRIFT_FIELDS:
+            if field in want:
+                same = _covers(have.get(field), want[field], quantities=field == "resources")
+            else:
+                same = not have.get(field)
+            if not same:
+                drift.append(f"{want['name']}.{field}")
+    drift += [f"{name} (added)" for name in by_name.keys() - {c["name"] for c in applied["spec"]["template"]["spec"]["containers"]}]
+    return drift
 
-    rolling = on_current and not deployment.rolled_out
-    if missing and not failed:
-        setc("Progressing", True, "Building", f"building the engines for version {version}")
-    elif failed:
-        setc("Progressing", False, "BuildFailed", "a build failed; change the spec to retry")
-    elif not on_current or rolling:
-        setc("Progressing", True, "RollingOut", f"rolling out engine {current_key} for version {version}")
-    else:
-        setc("Progressing", False, "RolloutComplete", f"engine {current_key} for version {version} is rolled out")
 
-    degraded_reason = ""
-    if failed and serving:
-        degraded_reason, degraded_msg = "BuildFailed", f"serving engine {deployment.engine_key}; the new engines failed to build"
-    elif on_current and deployment.rolled_out and deployment.ready < deployment.desired:
-        degraded_reason, degraded_msg = "ReplicasUnavailable", f"{deployment.ready}/{deployment.desired} replica(s) ready"
-    if degraded_reason:
-        setc("Degraded", True, degraded_reason, degraded_msg)
-    else:
-        setc("Degraded", False, "AsExpected", "serving as the spec asks" if serving else "nothing is degraded")
-
-    if failed and not serving:
-        phase = "Failed"
-    elif degraded_reason:
-        phase = "Degraded"
-    elif missing:
-        phase = "Building"
-    elif not on_current or rolling or (deployment.desired > 0 and deployment.ready == 0):
-        phase = "Deploying"
-    else:
-        phase = "Ready"
-
-    status.update(phase=phase, conditions=conds, engines=status_engines(engines, version),
-                  replicas=deployment.replicas, readyReplicas=deployment.ready, selector=f"{LABEL_MODEL}={name}")
-    stable_key = current_key if on_current else (deployment.engine_key or "")
-    if stable_key:
-        status["engineKey"] = stable_key
-        stable_version = version if on_current else str((previous.get("stable") or {}).get("version", ""))
-        status["stable"] = {"version": stable_version, "engineKey": stable_key, "weight": 100,
-                            "replicas": deployment.replicas, "readyReplicas": deployment.ready}
-    elif current_key:
-        status["engineKey"] = current_key
-    return status
+def slim_containers(containers: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What the Deployments index keeps of each container: its name and DRIFT_FIELDS."""
+    return [{k: c[k] for k in ("name", *DRIFT_FIELDS) if k in c} for c in containers]

@@ -9,7 +9,7 @@
   instead of the API.
 - A watch event on a build Job or its pod reconciles every model that needs that Job
   (found through the `kiln_models_by_job` index, so models that share a Job without
-  owning it are woken too); an event on a runtime Deployment reconciles its model. That
+  owning it are woken too); an event on a runtime Deployment or Service reconciles its model. That
   is how a finished build is acted on within a second, without polling.
 
 Handlers are registered on an explicit registry by `register()`, so the timer interval
@@ -23,12 +23,12 @@ from typing import Any, Mapping
 
 import kopf
 
-from kiln.operator import builders as b
-from kiln.operator import reconcile as rec
+from kiln.operator import builders, reconcile
+from kiln.runtime import contract
 
 logger = logging.getLogger("kiln.operator.handlers")
 
-MODELS = ("kiln.dev", "v1alpha1", "inferencemodels")
+MODELS = (contract.GROUP, contract.VERSION, contract.PLURAL)
 JOBS = ("batch", "v1", "jobs")
 PODS = ("", "v1", "pods")
 DEPLOYMENTS = ("apps", "v1", "deployments")
@@ -38,13 +38,13 @@ CONFIGMAPS = ("", "v1", "configmaps")
 # Server-side selectors for the watch streams (main.py puts them into kopf's settings); the
 # same filters repeat client-side on the handlers, in case a selector is not honoured.
 LABEL_SELECTORS = {
-    JOBS: b.LABEL_KEY,
-    PODS: b.LABEL_KEY,
-    DEPLOYMENTS: "app.kubernetes.io/managed-by=kiln",
-    SERVICES: "app.kubernetes.io/managed-by=kiln",
+    JOBS: builders.LABEL_KEY,
+    PODS: builders.LABEL_KEY,
+    DEPLOYMENTS: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
+    SERVICES: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
 }
-FIELD_SELECTORS = {CONFIGMAPS: f"metadata.name={b.ENGINE_INDEX}"}
-KILN = {"app.kubernetes.io/managed-by": "kiln"}
+FIELD_SELECTORS = {CONFIGMAPS: f"metadata.name={builders.ENGINE_INDEX}"}
+KILN = {k: v for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")}
 
 
 # ------------------------------------------------------------------------ indexes
@@ -80,6 +80,15 @@ def kiln_jobs(namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> d
     return {(namespace, name): {"metadata": _meta(body), "status": dict(body.get("status") or {})}}
 
 
+def kiln_jobs_by_owner(namespace: str, body: Mapping[str, Any], **_: Any) -> dict:
+    """The build Jobs each model created (its controller ownerReference), for obsolete-Job cleanup."""
+    meta = body.get("metadata") or {}
+    owners = [r.get("uid") for r in meta.get("ownerReferences") or ()
+              if r.get("kind") == contract.KIND and r.get("controller") and r.get("uid")]
+    slim = {"metadata": {k: meta.get(k) for k in ("name", "uid", "labels", "deletionTimestamp") if k in meta}}
+    return {(namespace, uid): slim for uid in owners}
+
+
 def kiln_build_pods(namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], **_: Any) -> dict:
     job = labels.get("batch.kubernetes.io/job-name") or labels.get("job-name")
     status = body.get("status") or {}
@@ -90,7 +99,9 @@ def kiln_build_pods(namespace: str, labels: Mapping[str, str], body: Mapping[str
 def kiln_deployments(namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> dict:
     spec = body.get("spec") or {}
     template = spec.get("template") or {}
-    slim_spec = {"template": {"metadata": dict(template.get("metadata") or {})}}  # the pod spec is in kiln.dev/applied
+    # The pod spec is in kiln.dev/applied; of the live one only what drift is checked on.
+    containers = builders.slim_containers((template.get("spec") or {}).get("containers") or ())
+    slim_spec = {"template": {"metadata": dict(template.get("metadata") or {}), "spec": {"containers": containers}}}
     if "replicas" in spec:
         slim_spec["replicas"] = spec["replicas"]
     return {(namespace, name): {"metadata": _meta(body), "spec": slim_spec, "status": dict(body.get("status") or {})}}
@@ -111,16 +122,19 @@ def _one(index: Any, key: Any) -> Any:
     return None
 
 
-def views(kw: Mapping[str, Any]) -> rec.Views:
+def views(kw: Mapping[str, Any]) -> reconcile.Views:
     """Views over the kopf indexes a handler received as keyword arguments."""
     jobs, pods, deps, svcs, cms = (kw["kiln_jobs"], kw["kiln_build_pods"], kw["kiln_deployments"],
                                    kw["kiln_services"], kw["kiln_engine_index"])
-    return rec.Views(
+    by_owner, needs = kw["kiln_jobs_by_owner"], kw["kiln_models_by_job"]
+    return reconcile.Views(
         job=lambda ns, name: _one(jobs, (ns, name)),
         pods=lambda ns, job: list(pods[(ns, job)]) if (ns, job) in pods else [],
         deployment=lambda ns, name: _one(deps, (ns, name)),
         service=lambda ns, name: _one(svcs, (ns, name)),
         engine_index=lambda ns: _one(cms, ns) or {},
+        owned_jobs=lambda ns, uid: list(by_owner[(ns, uid)]) if (ns, uid) in by_owner else [],
+        models_needing=lambda ns, job: set(needs[(ns, job)]) if (ns, job) in needs else set(),
     )
 
 
@@ -128,13 +142,13 @@ def views(kw: Mapping[str, Any]) -> rec.Views:
 
 async def on_model(body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
     """create / update / resume: reconcile; kopf retries on TemporaryError, stops on PermanentError."""
-    await rec.reconcile(memo.ctx, dict(body), views(kw))
+    await reconcile.reconcile(memo.ctx, dict(body), views(kw))
 
 
 async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
     """The timer: the same reconcile; failures are logged and left to the next tick."""
     try:
-        await rec.reconcile(memo.ctx, dict(body), views(kw))
+        await reconcile.reconcile(memo.ctx, dict(body), views(kw))
     except (kopf.TemporaryError, kopf.PermanentError) as e:
         logger.debug(f"resync: {e}")
 
@@ -152,7 +166,7 @@ async def _reconcile_models(names: list[tuple[str, str]], memo: Any, kw: Mapping
         if model is None:
             continue
         try:
-            await rec.reconcile(memo.ctx, model, v)
+            await reconcile.reconcile(memo.ctx, model, v)
         except (kopf.TemporaryError, kopf.PermanentError) as e:
             log.debug(f"reconcile of {ns}/{name} after a watch event: {e}")
 
@@ -178,9 +192,10 @@ async def on_build_pod_event(namespace: str, labels: Mapping[str, str], body: Ma
     await _wake_models_of_job(namespace, job, memo, kw, logger)
 
 
-async def on_deployment_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
-                              **kw: Any) -> None:
-    model = labels.get(b.LABEL_MODEL)
+async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
+                           **kw: Any) -> None:
+    """A runtime Deployment or Service changed or went: reconcile its model (label kiln.dev/model)."""
+    model = labels.get(builders.LABEL_MODEL)
     if model:
         await _reconcile_models([(namespace, model)], memo, kw, logger)
 
@@ -188,11 +203,12 @@ async def on_deployment_event(namespace: str, labels: Mapping[str, str], memo: A
 def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.OperatorRegistry:
     kopf.index(*MODELS, registry=registry)(kiln_models)
     kopf.index(*MODELS, registry=registry)(kiln_models_by_job)
-    kopf.index(*JOBS, labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs)
-    kopf.index(*PODS, labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_build_pods)
+    kopf.index(*JOBS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs)
+    kopf.index(*JOBS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs_by_owner)
+    kopf.index(*PODS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_build_pods)
     kopf.index(*DEPLOYMENTS, labels=KILN, registry=registry)(kiln_deployments)
     kopf.index(*SERVICES, labels=KILN, registry=registry)(kiln_services)
-    kopf.index(*CONFIGMAPS, field="metadata.name", value=b.ENGINE_INDEX, registry=registry)(kiln_engine_index)
+    kopf.index(*CONFIGMAPS, field="metadata.name", value=builders.ENGINE_INDEX, registry=registry)(kiln_engine_index)
 
     kopf.on.create(*MODELS, id="reconcile", registry=registry)(on_model)
     kopf.on.update(*MODELS, id="reconcile", field="spec", registry=registry)(on_model)
@@ -201,7 +217,8 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
     kopf.timer(*MODELS, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
                registry=registry)(on_resync)
 
-    kopf.on.event(*JOBS, id="job", labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
-    kopf.on.event(*PODS, id="build-pod", labels={b.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
-    kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_deployment_event)
+    kopf.on.event(*JOBS, id="job", labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
+    kopf.on.event(*PODS, id="build-pod", labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
+    kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_runtime_event)
+    kopf.on.event(*SERVICES, id="service", labels=KILN, registry=registry)(on_runtime_event)
     return registry

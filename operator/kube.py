@@ -23,13 +23,15 @@ import os
 import uuid
 from typing import Any, Mapping
 
+from kiln.runtime.contract import API_VERSION, KIND, PLURAL
+
 logger = logging.getLogger("kiln.operator.kube")
 
 MERGE_PATCH = "application/merge-patch+json"
 
 # kind -> (apiVersion, plural, namespaced) for everything the operator writes or reads.
 KINDS: dict[str, tuple[str, str, bool]] = {
-    "InferenceModel": ("kiln.dev/v1alpha1", "inferencemodels", True),
+    KIND: (API_VERSION, PLURAL, True),
     "Job": ("batch/v1", "jobs", True),
     "Pod": ("v1", "pods", True),
     "Deployment": ("apps/v1", "deployments", True),

@@ -42,9 +42,9 @@ from typing import Any, Callable
 from kiln.runtime.errors import (BadRequest, BuildError, InvalidModel, KeyMismatch, OutOfDisk,
                                  Unsupported)
 
-DEFAULT_CACHE_DIR = "/var/cache/kiln"
-DEFAULT_PVC_ROOT = "/mnt/models"
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+from kiln.runtime.contract import CACHE_DIR as DEFAULT_CACHE_DIR
+from kiln.runtime.contract import PVC_ROOT as DEFAULT_PVC_ROOT
+from kiln.runtime.contract import TERMINATION_LOG as DEFAULT_TERMINATION_LOG
 TERMINATION_LOG_LIMIT = 4096  # Kubernetes keeps at most 4 KiB of a termination message
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")

@@ -57,3 +57,8 @@ class OutOfDisk(BuildError):
 class KeyMismatch(BuildError):
     exit_code = 8
     reason = "KeyMismatch"
+
+
+# The table above, as the operator reads a build pod's exit code.
+EXIT_REASONS: dict[int, str] = {c.exit_code: c.reason for c in (
+    BuildError, BadRequest, SourceUnreachable, DigestMismatch, InvalidModel, Unsupported, OutOfDisk, KeyMismatch)}

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 from kiln.runtime.errors import (BadRequest, DigestMismatch, OutOfDisk, SourceUnreachable,
                                  Unsupported)
 
-DEFAULT_PVC_ROOT = "/mnt/models"
+from kiln.runtime.contract import PVC_ROOT as DEFAULT_PVC_ROOT
 DEFAULT_TIMEOUT_SECONDS = 60.0
 # ONNX protobufs stop at 2 GiB; bigger models carry external data files, not one download.
 DEFAULT_MAX_BYTES = 2 << 30

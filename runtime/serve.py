@@ -12,8 +12,7 @@ import argparse
 import os
 import sys
 
-DEFAULT_CACHE_DIR = "/var/cache/kiln"
-DEFAULT_PORT = 8080
+from kiln.runtime.contract import API_VERSION, CACHE_DIR as DEFAULT_CACHE_DIR, KIND, SERVICE_PORT as DEFAULT_PORT
 DEFAULT_DRAIN_SECONDS = 30.0
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as server.DEFAULT_MAX_BODY_BYTES
 
@@ -59,7 +58,7 @@ def runtime_spec_with_defaults(text: str, model_name: str) -> dict:
         raise ValueError(f"--runtime-spec is not valid JSON: {e}") from None
     if not isinstance(runtime, dict):
         raise ValueError("--runtime-spec must be a JSON object (spec.runtime)")
-    obj = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+    obj = {"apiVersion": API_VERSION, "kind": KIND,
            "metadata": {"name": model_name}, "spec": {"runtime": runtime}}
     return dict(spec.apply_defaults(obj).get("spec", {}).get("runtime") or runtime)
 

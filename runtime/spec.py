@@ -28,11 +28,8 @@ from typing import Any, Iterator
 
 import yaml
 
-GROUP = "kiln.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceModel"
-PLURAL = "inferencemodels"
+from kiln.runtime.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401 (re-exported)
+
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{CRD_NAME}.yaml"
 
@@ -144,6 +141,23 @@ def validate(obj: Mapping) -> list[str]:
     errors += _schema_errors(value, node, prefix)
     errors += _walk_k8s(value, node, prefix)
     errors += _builder_flag_errors(value, prefix)
+    return errors
+
+
+# URI schemes that only `kiln dev` reads: a build Job would read its builder node's disk.
+DEV_ONLY_SCHEMES = ("file:",)
+
+
+def validate_for_cluster(obj: Mapping) -> list[str]:
+    """`validate(obj)` plus what the operator refuses in a cluster and `kiln dev` accepts:
+    a `file://` model URI (the CRD allows it so that one manifest serves both)."""
+    errors = validate(obj)
+    plain = _plain(obj)
+    spec = plain.get("spec") if _OBJECT_KEYS & plain.keys() else plain
+    uri = str(((spec or {}).get("model") or {}).get("uri") or "")
+    if uri.startswith(DEV_ONLY_SCHEMES):
+        errors.append(f"spec.model.uri: Invalid value: {_go(uri)}: file:// URIs are for `kiln dev` only; "
+                      f"in a cluster use pvc://<claim>/<path>, https:// or s3://")
     return errors
 
 

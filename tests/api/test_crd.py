@@ -317,3 +317,11 @@ def test_defaults_and_validation_accept_read_only_mapping_views():
     spec_view = MappingProxyType({"model": {"uri": "pvc://m/x.onnx", "version": "1"}})
     assert spec.apply_defaults(spec_view)["runtime"]["replicas"] == 1
     assert spec.validate(spec_view) == []
+
+
+def test_file_uris_are_for_kiln_dev_only():
+    s = {"model": {"uri": "file:///models/m.onnx", "version": "1"}}
+    assert spec.validate(s) == []  # the CRD (and `kiln dev`) accept it
+    [problem] = spec.validate_for_cluster(s)
+    assert problem.startswith('spec.model.uri: Invalid value: "file:///models/m.onnx"') and "kiln dev" in problem
+    assert spec.validate_for_cluster({"model": {"uri": "pvc://models/m.onnx", "version": "1"}}) == []

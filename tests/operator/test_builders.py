@@ -255,63 +255,49 @@ class TestPatches:
         assert ann[b.ANN_APPLIED_HASH] == b.manifest_hash(svc)
 
 
-class TestComputeStatus:
-    def engines(self, state="Ready"):
-        e = b.plan_engines(spec(), CONFIG)[0]
-        result = {"path": f"vision/resnet50/{e.key}", "sha256": "ab" * 32, "sizeBytes": 10, "buildSeconds": 5.0,
-                  "cacheHit": False} if state == "Ready" else None
-        return [b.EngineObservation(e, state, result, message="boom" if state == "Failed" else "")], e
-
-    def clock(self):
-        import datetime
-        return datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
-
-    def test_building(self):
-        obs, e = self.engines("Building")
-        st = b.compute_status(MODEL, spec(), obs, b.DeploymentObservation(), self.clock)
-        assert st["phase"] == "Building" and st["observedGeneration"] == 3
-        er = next(c for c in st["conditions"] if c["type"] == "EngineReady")
-        assert (er["status"], er["reason"], er["lastTransitionTime"]) == ("False", "Building", "2026-01-02T03:04:05Z")
-        assert st["engines"] == [{"key": e.key, "target": "sm90", "architecture": "sm90", "version": "v1.7"}]
-
-    def test_ready(self):
-        obs, e = self.engines()
-        dep = b.DeploymentObservation(exists=True, engine_key=e.key, current=True, replicas=2, ready=2, updated=2,
-                                      desired=2, rolled_out=True)
-        st = b.compute_status(MODEL, spec(), obs, dep, self.clock)
-        assert st["phase"] == "Ready" and st["engineKey"] == e.key
-        assert {c["type"]: c["status"] for c in st["conditions"]} == {
-            "EngineReady": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
-        assert st["stable"] == {"version": "v1.7", "engineKey": e.key, "weight": 100, "replicas": 2,
-                                "readyReplicas": 2}
-        assert st["selector"] == "kiln.dev/model=resnet50"
-
-    def test_failed_without_serving_is_failed_with_serving_is_degraded(self):
-        obs, _ = self.engines("Failed")
-        assert b.compute_status(MODEL, spec(), obs, b.DeploymentObservation(), self.clock)["phase"] == "Failed"
-        serving = b.DeploymentObservation(exists=True, engine_key="old", current=False, replicas=1, ready=1,
-                                          desired=1, updated=1, rolled_out=True)
-        st = b.compute_status(MODEL, spec(), obs, serving, self.clock)
-        assert st["phase"] == "Degraded" and st["engineKey"] == "old"
-
-    def test_replicas_missing_after_rollout_is_degraded(self):
-        obs, e = self.engines()
-        dep = b.DeploymentObservation(exists=True, engine_key=e.key, current=True, replicas=2, ready=1, updated=2,
-                                      desired=2, rolled_out=True)
-        st = b.compute_status(MODEL, spec(), obs, dep, self.clock)
-        assert st["phase"] == "Degraded"
-        assert next(c for c in st["conditions"] if c["type"] == "Degraded")["reason"] == "ReplicasUnavailable"
-
-    def test_invalid_spec(self):
-        st = b.compute_status(MODEL, spec(), [], b.DeploymentObservation(), self.clock, invalid="bad target")
-        assert st["phase"] == "Failed"
-        assert next(c for c in st["conditions"] if c["type"] == "EngineReady")["reason"] == "InvalidSpec"
-
+class TestObservedDeployment:
     def test_observe_deployment(self):
-        dep = {"metadata": {"generation": 4, "annotations": {b.ANN_APPLIED_HASH: "h"}},
+        dep = {"metadata": {"generation": 4},
                "spec": {"replicas": 3, "template": {"metadata": {"labels": {b.LABEL_ENGINE_KEY: "k"}}}},
                "status": {"observedGeneration": 4, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 2}}
-        o = b.observe_deployment(dep, "h")
-        assert (o.exists, o.current, o.engine_key, o.ready, o.desired, o.rolled_out) == (True, True, "k", 2, 3, True)
-        assert not b.observe_deployment(dep, "other").current
-        assert not b.observe_deployment({**dep, "status": {"observedGeneration": 3}}, "h").rolled_out
+        o = b.observe_deployment(dep)
+        assert (o.exists, o.engine_key, o.ready, o.desired, o.rolled_out) == (True, "k", 2, 3, True)
+        assert not b.observe_deployment({**dep, "status": {"observedGeneration": 3}}).rolled_out
+        assert not b.observe_deployment(None).exists
+
+
+class TestTemplateDrift:
+    def applied(self):
+        s = spec()
+        engines = b.plan_engines(s, CONFIG)
+        return b.runtime_deployment(MODEL, s, engines, {e.index_key: {"path": "p"} for e in engines}, CONFIG)
+
+    def live(self, **container):
+        applied = self.applied()
+        c = json.loads(json.dumps(applied["spec"]["template"]["spec"]["containers"][0]))
+        # What an API server adds: defaults inside probes, quantities as strings.
+        c["readinessProbe"]["successThreshold"] = 1
+        c["readinessProbe"]["httpGet"]["scheme"] = "HTTP"
+        c["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+        c["imagePullPolicy"] = "IfNotPresent"
+        c.update(container)
+        return {"spec": {"template": {"spec": {"containers": b.slim_containers([c])}}}}
+
+    def test_defaults_the_api_server_adds_are_no_drift(self):
+        assert b.template_drift(self.live(), self.applied()) == []
+
+    @pytest.mark.parametrize("edit,field", [
+        ({"image": "evil:1"}, "runtime.image"),
+        ({"args": ["serve"]}, "runtime.args"),
+        ({"env": [{"name": "X", "value": "1"}]}, "runtime.env"),
+        ({"resources": {"limits": {"nvidia.com/gpu": "2"}}}, "runtime.resources"),
+        ({"livenessProbe": {"exec": {"command": ["true"]}}}, "runtime.livenessProbe"),
+    ])
+    def test_edits_that_matter(self, edit, field):
+        assert b.template_drift(self.live(**edit), self.applied()) == [field]
+
+    def test_quantities_compare_by_value(self):
+        assert b._covers({"cpu": "1", "memory": "2048Mi"}, {"cpu": "1000m", "memory": "2Gi"}, quantities=True)
+
+    def test_an_index_without_containers_shows_no_drift(self):
+        assert b.template_drift({"spec": {"template": {"metadata": {}}}}, self.applied()) == []

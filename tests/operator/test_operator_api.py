@@ -335,3 +335,86 @@ def test_autoscaled_replicas_follow_the_scale_subresource_within_bounds(api, ope
              "replicas clamped to maxReplicas")
     template = api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]
     assert template == dep["spec"]["template"]  # a replica change is not a rollout
+
+
+def test_file_uri_is_refused_in_a_cluster(api, operator):
+    ns, name = "fileuri", "local"
+    m = model(ns, name)
+    m["spec"]["model"]["uri"] = "file:///models/local.onnx"
+    api.apply(m)  # the CRD accepts it (one manifest serves `kiln dev` too)
+    st = api.wait(lambda: status(api, ns, name).get("phase") == "Failed" and status(api, ns, name), 10, "Failed")
+    er = condition(st, "EngineReady")
+    assert er["reason"] == "InvalidSpec" and "kiln dev" in er["message"]
+    import time
+    time.sleep(0.5)
+    assert jobs(api, ns) == []  # no build Job reads a builder node's filesystem
+
+
+def test_deleted_service_comes_back_on_its_watch_event(api, operator):
+    # The module's operator resyncs every 600 s: only the Service's own watch event can bring it back.
+    ns, name = "svcwatch", "gone"
+    api.apply(model(ns, name))
+    [job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, job)
+    svc = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")
+    api.delete("Service", ns, name)
+    back = api.wait(lambda: (lambda s: s if s and s["metadata"]["uid"] != svc["metadata"]["uid"] else None)(
+        api.get("Service", ns, name)), 5, "the Service recreated")
+    assert back["spec"]["selector"] == {b.LABEL_MODEL: name}
+
+
+def test_a_build_made_obsolete_by_a_spec_change_is_deleted(api, operator):
+    ns, name = "obsolete", "vit"
+    api.apply(model(ns, name, version="1"))
+    [old_job] = api.wait(lambda: jobs(api, ns), 10, "the first build Job")
+    api.patch("InferenceModel", ns, name, {"spec": {"model": {"version": "2"}}})
+    [new_job] = api.wait(lambda: (lambda js: js if len(js) == 1 and js[0]["metadata"]["name"] !=
+                                  old_job["metadata"]["name"] else None)(jobs(api, ns)), 10,
+                         "the obsolete Job deleted and the new one created")
+    assert request_of(new_job)["model"]["version"] == "2"
+    assert "BuildCancelled" in api.wait(lambda: reasons(api, ns, name), 5)
+    index = api.get("ConfigMap", ns, b.ENGINE_INDEX)
+    assert index is None or not any(k.startswith(request_of(old_job)["key"]) for k in index.get("data") or {})
+
+
+def test_a_shared_build_another_model_still_needs_is_kept(api, operator):
+    ns, digest = "obsolete-shared", "d" * 64
+    for name in ("first", "second"):
+        m = model(ns, name)
+        m["spec"]["model"]["sha256"] = digest
+        api.apply(m)
+        api.wait(lambda: condition(status(api, ns, name), "EngineReady").get("reason") == "Building", 10)
+    [shared] = jobs(api, ns)
+    owner = shared["metadata"]["ownerReferences"][0]["name"]
+    api.patch("InferenceModel", ns, owner, {"spec": {"model": {"sha256": "e" * 64}}})
+    api.wait(lambda: len(jobs(api, ns)) == 2, 10, "the owner's new Job")
+    import time
+    time.sleep(1.0)
+    assert shared["metadata"]["uid"] in {j["metadata"]["uid"] for j in jobs(api, ns)}
+
+
+def test_an_edit_to_the_runtime_pod_template_is_restored(api, operator):
+    ns, name = "drift", "edited"
+    api.apply(model(ns, name, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 4}))
+    [job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, job)
+    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    roll_out(api, ns, name)
+    api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10, "Ready")
+    want = dep["spec"]["template"]["spec"]["containers"][0]
+    edited = {**want, "image": "registry.example/someone-else:1", "env": [{"name": "DEBUG", "value": "1"}],
+              "readinessProbe": {"exec": {"command": ["true"]}}}
+    api.patch("Deployment", ns, b.runtime_name(name), {
+        "metadata": {"annotations": {"team.example/owner": "ml-platform"}},
+        "spec": {"template": {"spec": {"containers": [edited]}}}})
+    restored = api.wait(lambda: (lambda d: d if d["spec"]["template"]["spec"]["containers"][0]["image"] == want["image"]
+                                 else None)(api.get("Deployment", ns, b.runtime_name(name))), 10, "the image restored")
+    c = restored["spec"]["template"]["spec"]["containers"][0]
+    assert "env" not in c and c["readinessProbe"] == want["readinessProbe"] and c["args"] == want["args"]
+    assert restored["metadata"]["annotations"]["team.example/owner"] == "ml-platform"  # others' annotations stay
+    assert "DriftRestored" in api.wait(lambda: reasons(api, ns, name), 5)
+    # A scale change someone made (autoscaled: the replica count is not Kiln's template) is no drift.
+    api.patch("Deployment", ns, b.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
+    import time
+    time.sleep(1.0)
+    assert api.get("Deployment", ns, b.runtime_name(name))["metadata"]["generation"] == restored["metadata"]["generation"]

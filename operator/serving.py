@@ -1,0 +1,136 @@
+"""The serving step: each track's Deployment and the Service are what the rollout step decided.
+
+Owns `Available`, `Degraded`, `status.replicas`, `status.readyReplicas` and
+`status.selector`; acts on the runtime Deployment and the Service. Applying is
+kubectl-apply style: the manifest and its hash ride in annotations; an unchanged hash and
+a live pod template that still has what Kiln set (image, command, args, env, resources,
+probes) is no write. A changed hash is a merge patch against the last applied manifest (so
+fields others set - annotations, replicas under an autoscaler - stay); containers edited
+outside Kiln are put back whole.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from kiln.operator import builders
+from kiln.operator import conditions as cond
+from kiln.operator.engines import EngineObservation
+from kiln.operator.rollout import Track, Tracks
+from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
+
+OWNS = Owns(conditions=("Available", "Degraded"), fields=("replicas", "readyReplicas", "selector"))
+
+
+async def step(p: Pass) -> StepResult:
+    tracks: Tracks = p.out["rollout"]
+    dep = p.views.deployment(p.ns, builders.runtime_name(p.name))
+    if tracks.stable is not None:
+        dep = await apply_deployment(p, dep, tracks.stable)
+        await apply_service(p)
+    seen = builders.observe_deployment(dep)
+    failed = any(o.state == "Failed" for o in p.out["engines"])
+    conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None),
+                  "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None)}
+    status = {"replicas": seen.replicas, "readyReplicas": seen.ready,
+              "selector": f"{builders.LABEL_MODEL}={p.name}"}
+    starting = tracks.stable is not None and (not seen.rolled_out or (seen.desired > 0 and seen.ready == 0))
+    told = [] if p.invalid is not None else transition_events(p.previous.get("conditions"), conditions)
+    return StepResult(conditions=conditions, status=status, waiting=starting, events=told)  # InvalidSpec tells
+
+
+# ------------------------------------------------------------------------ pure
+
+def available(seen: builders.DeploymentObservation, invalid: bool, waiting: bool) -> Condition:
+    if invalid:
+        if seen.exists and seen.ready > 0:
+            return (True, "MinimumReplicasAvailable", f"{seen.ready} ready replica(s) of the previous version")
+        return (False, "NoEngine", "nothing is serving")
+    if seen.exists and seen.ready > 0:
+        return (True, "MinimumReplicasAvailable", f"{seen.ready}/{seen.desired} replica(s) ready, engine {seen.engine_key}")
+    if seen.exists:
+        return (False, "NoReadyReplicas" if seen.desired else "ScaledToZero", f"0/{seen.desired} replica(s) ready")
+    if waiting:
+        return (False, "NoEngine", "waiting for the engines to be built")
+    return (False, "Deploying", "creating the runtime Deployment")
+
+
+def degraded(seen: builders.DeploymentObservation, invalid: str | None, failed: bool, current: bool) -> Condition:
+    serving = seen.exists and seen.ready > 0
+    if invalid is not None:
+        return (True, "InvalidSpec", invalid)
+    if failed and serving:
+        return (True, "BuildFailed", f"serving engine {seen.engine_key}; the new engines failed to build")
+    if current and seen.rolled_out and seen.ready < seen.desired:
+        return (True, "ReplicasUnavailable", f"{seen.ready}/{seen.desired} replica(s) ready")
+    return (False, "AsExpected", "serving as the spec asks" if serving else "nothing is degraded")
+
+
+def transition_events(old: Any, new: Mapping[str, Condition]) -> list[Event]:
+    events: list[Event] = []
+    for type_, (value, _, message) in new.items():
+        before = cond.get_condition(old, type_)
+        if before is None and not value or before is not None and (before.get("status") == cond.TRUE) == value:
+            continue  # no flip; a condition's first, negative value is no news
+        if type_ == "Available":
+            events.append(("Normal", "Available", message) if value else ("Warning", "Unavailable", message))
+        elif type_ == "Degraded" and value:
+            events.append(("Warning", "Degraded", message))
+    return events
+
+
+def restore_patch(last: Any, new: dict[str, Any], drift: list[str]) -> dict[str, Any]:
+    """The merge patch from the last applied manifest to `new`; containers whole when they drifted."""
+    patch = builders.merge_patch_between(last, new) if isinstance(last, dict) else json.loads(json.dumps(new))
+    if isinstance(last, dict):  # the annotations themselves always go in whole
+        ann = new["metadata"]["annotations"]
+        patch.setdefault("metadata", {})["annotations"] = {
+            builders.ANN_APPLIED: ann[builders.ANN_APPLIED], builders.ANN_APPLIED_HASH: ann[builders.ANN_APPLIED_HASH]}
+    if drift:
+        pod = patch.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {})
+        pod["containers"] = new["spec"]["template"]["spec"]["containers"]
+    return patch
+
+
+# ------------------------------------------------------------------------ acting
+
+async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track) -> Mapping[str, Any]:
+    name, kube = builders.runtime_name(p.name), p.ctx.kube
+    new = builders.with_applied(track.applied)
+    if dep is None:
+        body = json.loads(json.dumps(new))
+        body["spec"]["replicas"] = p.out["scaling"].replicas
+        dep, created = await kube.create(body)
+        if created:
+            p.record("Normal", "Deploying", f"created Deployment {name} serving engine {track.engines[0].engine.key}")
+    annotations = dep["metadata"].get("annotations") or {}
+    drift = builders.template_drift(dep, track.applied)
+    if drift and p.ctx.stuck_drift.get((p.ns, name)) == track.hash:
+        drift = []  # a patch could not undo it last time; not fought in a loop
+    if annotations.get(builders.ANN_APPLIED_HASH) == track.hash and not drift:
+        return dep
+    old_key = ((dep["spec"].get("template") or {}).get("metadata") or {}).get("labels", {}).get(builders.LABEL_ENGINE_KEY)
+    try:
+        last = json.loads(annotations.get(builders.ANN_APPLIED) or "null")
+    except ValueError:
+        last = None
+    dep = await kube.patch("Deployment", p.ns, name, restore_patch(last, new, drift))
+    key = track.engines[0].engine.key
+    if drift:
+        p.record("Warning", "DriftRestored", f"restored {', '.join(drift)} of Deployment {name}, changed outside Kiln")
+        if builders.template_drift(dep, track.applied):
+            p.ctx.stuck_drift[(p.ns, name)] = track.hash
+    if annotations.get(builders.ANN_APPLIED_HASH) != track.hash:
+        p.record("Normal", "Deploying", f"rolling Deployment {name} from engine {old_key} to {key}"
+                 if old_key and old_key != key else f"updated Deployment {name}")
+    return dep
+
+
+async def apply_service(p: Pass) -> None:
+    svc = p.views.service(p.ns, p.name)
+    desired = builders.runtime_service(p.model, p.spec)
+    if svc is None:
+        svc, _ = await p.ctx.kube.create(builders.with_applied(desired))
+    if (svc["metadata"].get("annotations") or {}).get(builders.ANN_APPLIED_HASH) != builders.manifest_hash(desired):
+        await p.ctx.kube.patch("Service", p.ns, p.name, builders.with_applied(desired))

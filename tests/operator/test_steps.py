@@ -1,0 +1,456 @@
+"""The reconcile's concern steps through the `Views` seam: plain dicts for what the operator
+watches, an in-memory API for what it writes (no server). Status and phase logic table-driven."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import datetime
+import json
+
+import kopf
+import pytest
+
+from kiln.operator import builders as b
+from kiln.operator import engines, reconcile, rollout, serving, steps
+from kiln.operator.config import OperatorConfig
+from kiln.operator.kube import ApiError
+from kiln.runtime import spec as specmod
+
+CONFIG = OperatorConfig(retry_seconds=2.0)
+NS, NAME, UID = "vision", "resnet", "uid-model"
+T0 = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+
+
+def model(generation=1, status=None, **spec) -> dict:
+    body = {"model": {"uri": "https://models.example.com/r.onnx", "version": "1"},
+            "engine": {"backend": "tensorrt", "targets": ["H100"]}, "runtime": {"replicas": 2}}
+    for k, v in spec.items():
+        body[k] = {**body.get(k, {}), **v}
+    return {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": generation},
+            "spec": body, "status": status or {}}
+
+
+def merge_patch(target, patch):
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+class FakeKube:
+    """What the operator writes, kept in memory; `fail` makes one kind of write raise."""
+
+    def __init__(self, fail: tuple[str, str] | None = None) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.events: list[tuple[str, str, str]] = []
+        self.fail = fail
+
+    def _check(self, method: str, kind: str) -> None:
+        self.calls[method] += 1
+        if self.fail == (method, kind):
+            raise ApiError(500, "InternalError", f"{method} {kind} failed")
+
+    async def create(self, obj):
+        self._check("POST", obj["kind"])
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in self.objects:
+            return self.objects[key], False
+        new = copy.deepcopy(dict(obj))
+        new["metadata"].update(uid=f"uid-{len(self.objects)}", generation=1)
+        self.objects[key] = new
+        return new, True
+
+    async def patch(self, kind, namespace, name, patch, subresource=None):
+        self._check("PATCH", kind)
+        key = (kind, namespace, name)
+        if key not in self.objects and kind != "InferenceModel":
+            raise ApiError(404, "NotFound", name)
+        obj = merge_patch(self.objects.get(key, {"metadata": {"generation": 1}}), patch)
+        if "spec" in patch:
+            obj["metadata"]["generation"] = obj["metadata"].get("generation", 1) + 1
+        self.objects[key] = obj
+        return obj
+
+    async def delete(self, kind, namespace, name, uid=None):
+        self._check("DELETE", kind)
+        return self.objects.pop((kind, namespace, name), None) is not None
+
+    async def event(self, involved, type_, reason, message, now=None):
+        self.calls["POST"] += 1
+        self.events.append((type_, reason, message))
+
+    def writes(self) -> int:
+        return sum(self.calls[m] for m in ("POST", "PATCH", "DELETE"))
+
+
+class World:
+    """What the kopf indexes would hold, as plain dicts."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}
+        self.pods: dict[str, list[dict]] = {}
+        self.deployments: dict[str, dict] = {}
+        self.services: dict[str, dict] = {}
+        self.index: dict[str, str] = {}
+        self.needing: dict[str, set[str]] = {}
+
+    def views(self) -> steps.Views:
+        return steps.Views(
+            job=lambda ns, name: self.jobs.get(name),
+            pods=lambda ns, job: self.pods.get(job, []),
+            deployment=lambda ns, name: self.deployments.get(name),
+            service=lambda ns, name: self.services.get(name),
+            engine_index=lambda ns: self.index,
+            owned_jobs=lambda ns, uid: [j for j in self.jobs.values()
+                                        if any(r["uid"] == uid for r in j["metadata"].get("ownerReferences", ()))],
+            models_needing=lambda ns, job: self.needing.get(job, set()),
+        )
+
+    def sync(self, kube: FakeKube) -> None:
+        """The watch streams deliver what the operator wrote."""
+        for (kind, _, name), obj in kube.objects.items():
+            {"Job": self.jobs, "Deployment": self.deployments, "Service": self.services}.get(kind, {})[name] = obj
+            if kind == "ConfigMap":
+                self.index = dict(obj.get("data") or {})
+
+
+def ctx(kube) -> steps.Context:
+    return steps.Context(config=CONFIG, kube=kube, clock=lambda: T0)
+
+
+def engine_of(m):
+    return b.plan_engines(specmod.apply_defaults(m["spec"]), CONFIG)[0]
+
+
+def result_of(engine, **extra):
+    return {"ok": True, "key": engine.key, "target": engine.architecture, "path": f"{NS}/{NAME}/{engine.key}",
+            "sha256": "ab" * 32, "sizeBytes": 10, "buildSeconds": 5.0, "cacheHit": False, **extra}
+
+
+def finished(job, ok=True, result=None):
+    job = copy.deepcopy(job)
+    job["status"] = {"conditions": [{"type": "Complete" if ok else "Failed", "status": "True",
+                                     "reason": "" if ok else "BackoffLimitExceeded"}]}
+    pod = {"metadata": {"ownerReferences": [{"uid": job["metadata"]["uid"]}]},
+           "status": {"containerStatuses": [{"name": "build", "state": {"terminated": {
+               "exitCode": 0 if ok else 4, "message": json.dumps(result), "finishedAt": "2026-01-01T00:00:00Z"}}}]}}
+    return job, [pod]
+
+
+def ready_deployment(world, kube):
+    dep = kube.objects[("Deployment", NS, b.runtime_name(NAME))]
+    n = dep["spec"]["replicas"]
+    dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+                     "readyReplicas": n}
+    world.sync(kube)
+
+
+async def run(c, m, world):
+    try:
+        return await reconcile.reconcile(c, m, world.views())
+    except (kopf.TemporaryError, kopf.PermanentError):
+        return None
+
+
+def status_written(kube):
+    return kube.objects.get(("InferenceModel", NS, NAME), {}).get("status", {})
+
+
+# ------------------------------------------------------------------------ ownership and phase
+
+class TestOwnership:
+    def test_every_condition_and_field_has_one_owner(self):
+        found = steps.owners(reconcile.OWNERS)
+        assert {k for k, v in found.items() if k.startswith("condition:")} == {
+            "condition:EngineReady", "condition:Available", "condition:Progressing", "condition:Degraded"}
+        assert found["field:engines"] == "engines" and found["field:stable"] == "rollout"
+        assert found["field:scaling"] == "scaling" and found["field:selector"] == "serving"
+
+    def test_a_field_owned_twice_is_refused(self):
+        twice = {**reconcile.OWNERS, "other": steps.Owns(fields=("engines",))}
+        with pytest.raises(ValueError, match="field:engines is owned by both engines and other"):
+            steps.owners(twice)
+
+    def test_a_condition_owned_twice_is_refused(self):
+        with pytest.raises(ValueError, match="condition:Available"):
+            steps.owners({**reconcile.OWNERS, "other": steps.Owns(conditions=("Available",))})
+
+    def test_a_step_returning_what_it_does_not_own_is_refused(self):
+        p = steps.Pass(ctx(FakeKube()), model(), World().views(), {}, [], None, {})
+        stray = steps.StepResult(conditions={"Available": (True, "X", "")})
+        with pytest.raises(ValueError, match="does not own"):
+            steps.merge(p, reconcile.OWNERS, {"engines": stray})
+
+
+def conds(**given):
+    return [{"type": t, "status": s, "reason": r} for t, (s, r) in given.items()]
+
+
+@pytest.mark.parametrize("conditions,phase", [
+    (conds(EngineReady=("False", "InvalidSpec"), Available=("True", "M"), Degraded=("True", "InvalidSpec")), "Failed"),
+    (conds(EngineReady=("False", "BuildFailed"), Available=("False", "NoEngine"), Degraded=("False", "A")), "Failed"),
+    (conds(EngineReady=("False", "BuildFailed"), Available=("True", "M"), Degraded=("True", "BuildFailed")), "Degraded"),
+    (conds(EngineReady=("False", "Building"), Available=("True", "M"), Progressing=("True", "Building"),
+           Degraded=("False", "A")), "Building"),
+    (conds(EngineReady=("True", "E"), Available=("True", "M"), Progressing=("True", "RollingOut"),
+           Degraded=("False", "A")), "Deploying"),
+    (conds(EngineReady=("True", "E"), Available=("False", "NoReadyReplicas"), Progressing=("False", "R"),
+           Degraded=("False", "A")), "Deploying"),
+    (conds(EngineReady=("True", "E"), Available=("False", "ScaledToZero"), Progressing=("False", "R"),
+           Degraded=("False", "A")), "Ready"),
+    (conds(EngineReady=("True", "E"), Available=("True", "M"), Progressing=("False", "R"),
+           Degraded=("True", "ReplicasUnavailable")), "Degraded"),
+    (conds(EngineReady=("True", "E"), Available=("True", "M"), Progressing=("False", "R"),
+           Degraded=("False", "A")), "Ready"),
+])
+def test_phase_table(conditions, phase):
+    assert steps.phase_of(conditions) == phase
+
+
+# ------------------------------------------------------------------------ pure decisions
+
+def obs(state, key="k1", **kw):
+    ref = b.EngineRef(key=key, target="H100", architecture="sm90", backend="tensorrt", backend_version="10")
+    return engines.EngineObservation(ref, state, {"cacheHit": True} if state == "Ready" else None, **kw)
+
+
+@pytest.mark.parametrize("observed,want", [
+    ([obs("Ready")], (True, "EnginesReady")),
+    ([obs("Ready"), obs("Building", "k2")], (False, "Building")),
+    ([obs("Failed", message="boom"), obs("Building", "k2")], (False, "BuildFailed")),
+])
+def test_engine_condition(observed, want):
+    assert engines.engine_condition(observed)[:2] == want
+
+
+@pytest.mark.parametrize("old,new,acted,reasons", [
+    ({}, (False, "Building", "m"), [("Normal", "BuildStarted", "x")], []),
+    ({}, (False, "Building", "m"), [], ["BuildStarted"]),  # waiting on another model's Job
+    ({"reason": "Building"}, (False, "BuildFailed", "m"), [], ["BuildFailed"]),
+    ({"reason": "BuildFailed", "message": "m"}, (False, "BuildFailed", "m"), [], []),
+    ({"status": "False"}, (True, "EnginesReady", "m"), [], ["EnginesReady"]),
+    ({"status": "False"}, (True, "EnginesReady", "m"), [("Normal", "BuildSucceeded", "x")], []),
+    ({}, (False, "InvalidSpec", "m"), [], ["InvalidSpec"]),
+    ({"reason": "InvalidSpec"}, (False, "InvalidSpec", "m"), [], []),
+])
+def test_engine_transition_events(old, new, acted, reasons):
+    assert [r for _, r, _ in engines.transition_events(old, new, acted)] == reasons
+
+
+def seen(**kw):
+    return b.DeploymentObservation(**{"exists": True, "engine_key": "k1", "replicas": 2, "ready": 2, "updated": 2,
+                                      "desired": 2, "rolled_out": True, **kw})
+
+
+@pytest.mark.parametrize("observation,invalid,waiting,want", [
+    (seen(), False, False, (True, "MinimumReplicasAvailable")),
+    (seen(ready=0), False, False, (False, "NoReadyReplicas")),
+    (seen(ready=0, desired=0), False, False, (False, "ScaledToZero")),
+    (b.DeploymentObservation(), False, True, (False, "NoEngine")),
+    (b.DeploymentObservation(), False, False, (False, "Deploying")),
+    (seen(), True, False, (True, "MinimumReplicasAvailable")),
+    (b.DeploymentObservation(), True, False, (False, "NoEngine")),
+])
+def test_available(observation, invalid, waiting, want):
+    assert serving.available(observation, invalid, waiting)[:2] == want
+
+
+@pytest.mark.parametrize("observation,invalid,failed,current,want", [
+    (seen(), None, False, True, (False, "AsExpected")),
+    (seen(), "bad", False, False, (True, "InvalidSpec")),
+    (seen(), None, True, False, (True, "BuildFailed")),
+    (b.DeploymentObservation(), None, True, False, (False, "AsExpected")),
+    (seen(ready=1), None, False, True, (True, "ReplicasUnavailable")),
+    (seen(ready=1, rolled_out=False), None, False, True, (False, "AsExpected")),
+])
+def test_degraded(observation, invalid, failed, current, want):
+    assert serving.degraded(observation, invalid, failed, current)[:2] == want
+
+
+def test_progressing():
+    building = rollout.Tracks(None)
+    assert rollout.progressing("1", [obs("Building")], building, None)[:2] == (True, "Building")
+    assert rollout.progressing("1", [obs("Failed")], building, None)[:2] == (False, "BuildFailed")
+    track = rollout.Track("stable", (obs("Ready"),), {"spec": {"template": {"spec": {"containers": []}}}}, "h")
+    assert rollout.progressing("1", [obs("Ready")], rollout.Tracks(track), None)[:2] == (True, "RollingOut")
+    live = {"metadata": {"generation": 1, "annotations": {b.ANN_APPLIED_HASH: "h"}},
+            "spec": {"replicas": 1}, "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1}}
+    assert rollout.progressing("1", [obs("Ready")], rollout.Tracks(track), live)[:2] == (False, "RolloutComplete")
+
+
+# ------------------------------------------------------------------------ steps, end to end over Views
+
+async def test_the_story_from_nothing_to_ready_then_idle():
+    kube, world, m = FakeKube(), World(), model()
+    c = ctx(kube)
+    await run(c, m, world)
+    [job_key] = [k for k in kube.objects if k[0] == "Job"]
+    assert ("Normal", "BuildStarted") in {e[:2] for e in kube.events}
+    assert status_written(kube)["phase"] == "Building"
+    assert not any(k[0] == "Deployment" for k in kube.objects)  # nothing runs before the engine exists
+
+    world.sync(kube)
+    engine = engine_of(m)
+    world.jobs[job_key[2]], world.pods[job_key[2]] = finished(kube.objects[job_key], result=result_of(engine))
+    await run(c, m, world)
+    assert json.loads(kube.objects[("ConfigMap", NS, b.ENGINE_INDEX)]["data"][engine.index_key])["ok"]
+    dep = kube.objects[("Deployment", NS, b.runtime_name(NAME))]
+    assert dep["spec"]["replicas"] == 2 and ("Service", NS, NAME) in kube.objects
+    world.sync(kube)
+    ready_deployment(world, kube)
+    m["status"] = status_written(kube)
+    await run(c, m, world)
+    st = status_written(kube)
+    assert st["phase"] == "Ready" and st["engineKey"] == engine.key and st["stable"]["readyReplicas"] == 2
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {
+        "EngineReady": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
+
+    before = kube.writes()
+    m["status"] = st
+    outcome = await run(c, m, world)
+    assert kube.writes() == before and outcome.writes == 0  # idle: no API call at all
+
+
+async def test_invalid_spec_builds_nothing_and_keeps_what_serves():
+    kube, world = FakeKube(), World()
+    with pytest.raises(kopf.PermanentError):
+        await reconcile.reconcile(ctx(kube), model(model={"uri": "file:///m.onnx"}), world.views())
+    st = status_written(kube)
+    assert st["phase"] == "Failed" and not any(k[0] == "Job" for k in kube.objects)
+    assert [e[1] for e in kube.events] == ["InvalidSpec"]
+
+
+async def test_events_of_what_was_done_survive_a_later_error():
+    # The Job is created, then writing status fails: the BuildStarted Event is still posted.
+    kube, world = FakeKube(fail=("PATCH", "InferenceModel")), World()
+    with pytest.raises(ApiError):
+        await reconcile.reconcile(ctx(kube), model(), world.views())
+    assert any(k[0] == "Job" for k in kube.objects)
+    assert [e[1] for e in kube.events] == ["BuildStarted"]
+
+
+async def test_events_survive_a_job_still_terminating_on_another_target():
+    # Two targets: one Job is created, the other's namesake is still being deleted.
+    kube, world = FakeKube(), World()
+    m = model(engine={"targets": ["H100", "A100"]})
+    refs = b.plan_engines(specmod.apply_defaults(m["spec"]), CONFIG)
+    world.jobs[refs[1].job_name] = {"metadata": {"name": refs[1].job_name, "uid": "old",
+                                                 "deletionTimestamp": "2026-01-01T00:00:00Z"}, "status": {}}
+    with pytest.raises(kopf.TemporaryError) as raised:
+        await reconcile.reconcile(ctx(kube), m, world.views())
+    assert raised.value.delay == CONFIG.retry_seconds
+    assert [e[1] for e in kube.events] == ["BuildStarted"]
+    assert ("Job", NS, refs[0].job_name) in kube.objects
+
+
+async def test_failed_build_is_reported_once_and_not_retried_in_a_loop():
+    kube, world, m = FakeKube(), World(), model()
+    c = ctx(kube)
+    await run(c, m, world)
+    world.sync(kube)
+    [name] = list(world.jobs)
+    fail = {"ok": False, "reason": "DigestMismatch", "message": "sha256 differs"}
+    world.jobs[name], world.pods[name] = finished(world.jobs[name], ok=False, result=fail)
+    await run(c, m, world)
+    await run(c, m, world)
+    assert status_written(kube)["phase"] == "Failed"
+    assert [e[1] for e in kube.events].count("BuildFailed") == 1
+    assert kube.calls["DELETE"] == 0
+
+
+async def test_an_obsolete_build_is_deleted_and_its_late_result_never_recorded():
+    kube, world, m = FakeKube(), World(), model()
+    c = ctx(kube)
+    await run(c, m, world)
+    world.sync(kube)
+    [old_name] = list(world.jobs)
+    old_engine = engine_of(m)
+    m2 = model(generation=2, model={"version": "2"})
+    # The old build finishes just as the spec changes: the watch shows it Complete.
+    world.jobs[old_name], world.pods[old_name] = finished(world.jobs[old_name], result=result_of(old_engine))
+    await run(c, m2, world)
+    assert ("Job", NS, old_name) not in kube.objects
+    assert ("Job", NS, engine_of(m2).job_name) in kube.objects
+    assert ("ConfigMap", NS, b.ENGINE_INDEX) not in kube.objects  # the late result is not recorded
+    assert "BuildCancelled" in [e[1] for e in kube.events]
+    deletes = kube.calls["DELETE"]
+    await run(c, m2, world)  # the index still shows the deleted Job: not deleted twice
+    assert kube.calls["DELETE"] == deletes
+
+
+async def test_a_shared_build_another_model_needs_is_kept():
+    kube, world, m = FakeKube(), World(), model()
+    c = ctx(kube)
+    await run(c, m, world)
+    world.sync(kube)
+    [name] = list(world.jobs)
+    world.needing[name] = {NAME, "other-model"}
+    await run(c, model(generation=2, model={"version": "2"}), world)
+    assert ("Job", NS, name) in kube.objects
+
+
+async def ready_world(**spec):
+    kube, world, m = FakeKube(), World(), model(**spec)
+    engine = engine_of(m)
+    world.index = {engine.index_key: json.dumps(result_of(engine))}
+    c = ctx(kube)
+    await run(c, m, world)
+    world.sync(kube)
+    ready_deployment(world, kube)
+    m["status"] = status_written(kube)
+    await run(c, m, world)
+    return kube, world, m, c
+
+
+async def test_drift_in_the_pod_template_is_restored_and_others_fields_stay():
+    kube, world, m, c = await ready_world(autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5})
+    name = b.runtime_name(NAME)
+    dep = kube.objects[("Deployment", NS, name)]
+    want = copy.deepcopy(dep["spec"]["template"]["spec"]["containers"])
+    dep["spec"]["template"]["spec"]["containers"][0]["image"] = "someone-else:1"
+    dep["metadata"]["annotations"]["team.example/owner"] = "ml"
+    world.sync(kube)
+    await run(c, m, world)
+    dep = kube.objects[("Deployment", NS, name)]
+    assert dep["spec"]["template"]["spec"]["containers"] == want
+    assert dep["metadata"]["annotations"]["team.example/owner"] == "ml"
+    assert "DriftRestored" in [e[1] for e in kube.events]
+
+
+async def test_replicas_under_an_autoscaler_are_not_drift():
+    kube, world, m, c = await ready_world(autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5})
+    m["spec"]["runtime"]["replicas"] = 4  # the scale subresource was written
+    before = kube.calls["PATCH"]
+    await run(c, m, world)
+    dep = kube.objects[("Deployment", NS, b.runtime_name(NAME))]
+    assert dep["spec"]["replicas"] == 4
+    assert kube.calls["PATCH"] - before == 2  # replicas alone, then status (Deploying: the pods scale)
+    assert "DriftRestored" not in [e[1] for e in kube.events]
+
+
+async def test_a_drift_a_patch_cannot_undo_is_not_fought_in_a_loop():
+    kube, world, m, c = await ready_world()
+    name = b.runtime_name(NAME)
+    world.deployments[name] = copy.deepcopy(world.deployments[name])
+    world.deployments[name]["spec"]["template"]["spec"]["containers"][0]["image"] = "webhook-rewrote:1"
+    original_patch = kube.patch
+
+    async def webhook(kind, namespace, obj_name, patch, subresource=None):  # a mutating webhook
+        out = await original_patch(kind, namespace, obj_name, patch, subresource)
+        if kind == "Deployment":
+            out["spec"]["template"]["spec"]["containers"][0]["image"] = "webhook-rewrote:1"
+        return out
+
+    kube.patch = webhook
+    await run(c, m, world)
+    patches = kube.calls["PATCH"]
+    await run(c, m, world)
+    assert kube.calls["PATCH"] == patches
