@@ -447,9 +447,14 @@ def observe_deployment(dep: Mapping[str, Any] | None) -> DeploymentObservation:
     replicas = int(status.get("replicas") or 0)
     seen = int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
     labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+    # The Deployment controller's own word that the rollout completed (its Progressing
+    # condition; it stays so when a pod fails later): until then, pods that are still
+    # starting are a rollout in progress, not a degradation.
+    progressing = next((c for c in status.get("conditions") or () if c.get("type") == "Progressing"), None)
+    completed = progressing is None or progressing.get("reason") == "NewReplicaSetAvailable"
     return DeploymentObservation(
         exists=True, engine_key=labels.get(LABEL_ENGINE_KEY, ""), replicas=replicas, ready=ready, updated=updated,
-        desired=desired, rolled_out=seen and updated >= desired and replicas <= desired)
+        desired=desired, rolled_out=seen and completed and updated >= desired and replicas <= desired)
 
 
 # The container fields Kiln restores when someone else changes them (the kopf index of

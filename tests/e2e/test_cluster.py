@@ -214,6 +214,11 @@ def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, n
     np.testing.assert_allclose(outputs["probabilities"]["data"], direct[0].ravel(), rtol=1e-5)
     assert outputs["species"]["data"] == direct[1].ravel().tolist()
 
+    # Pods that were still starting were a rollout, not a degradation.
+    reasons = [e["reason"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
+               if e["involvedObject"]["kind"] == "InferenceModel"]
+    assert "Degraded" not in reasons, reasons
+
     # The scale subresource: kubectl scale -> the Deployment -> two pods Ready.
     kubectl("scale", "kim", "iris", "-n", namespace, "--replicas=2", show=True)
     wait_for(lambda: len([p for p in runtime_pods(api, namespace) if ready(p)]) == 2

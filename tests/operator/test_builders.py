@@ -265,6 +265,16 @@ class TestObservedDeployment:
         assert not b.observe_deployment({**dep, "status": {"observedGeneration": 3}}).rolled_out
         assert not b.observe_deployment(None).exists
 
+    def test_a_rollout_the_controller_has_not_completed_is_not_rolled_out(self):
+        # Seen on the real Deployment controller: a new Deployment reports its one pod as
+        # updated before it is ready; only Progressing/NewReplicaSetAvailable means done.
+        status = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 0}
+        dep = {"metadata": {"generation": 1}, "spec": {"replicas": 1}}
+        starting = {**status, "conditions": [{"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"}]}
+        done = {**status, "conditions": [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]}
+        assert not b.observe_deployment({**dep, "status": starting}).rolled_out
+        assert b.observe_deployment({**dep, "status": done}).rolled_out
+
 
 class TestTemplateDrift:
     def applied(self):
