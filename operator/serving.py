@@ -105,16 +105,18 @@ async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track)
         if created:
             p.record("Normal", "Deploying", f"created Deployment {name} serving engine {track.engines[0].engine.key}")
     annotations = dep["metadata"].get("annotations") or {}
-    drift = builders.template_drift(dep, track.applied)
+    try:
+        last = json.loads(annotations.get(builders.ANN_APPLIED) or "null")
+    except ValueError:
+        last = None
+    # Drift is the live object differing from what Kiln last applied, not from the new
+    # manifest (a version change is no one's edit).
+    drift = builders.template_drift(dep, last if isinstance(last, dict) else track.applied)
     if drift and p.ctx.stuck_drift.get((p.ns, name)) == track.hash:
         drift = []  # a patch could not undo it last time; not fought in a loop
     if annotations.get(builders.ANN_APPLIED_HASH) == track.hash and not drift:
         return dep
     old_key = ((dep["spec"].get("template") or {}).get("metadata") or {}).get("labels", {}).get(builders.LABEL_ENGINE_KEY)
-    try:
-        last = json.loads(annotations.get(builders.ANN_APPLIED) or "null")
-    except ValueError:
-        last = None
     dep = await kube.patch("Deployment", p.ns, name, restore_patch(last, new, drift))
     key = track.engines[0].engine.key
     if drift:

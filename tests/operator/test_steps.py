@@ -425,6 +425,18 @@ async def test_drift_in_the_pod_template_is_restored_and_others_fields_stay():
     assert "DriftRestored" in [e[1] for e in kube.events]
 
 
+async def test_a_new_version_is_a_rollout_not_drift():
+    # Seen on the real cluster: the live template differs from the *new* manifest because
+    # Kiln has not applied it yet; drift is a difference from what Kiln last applied.
+    kube, world, m, c = await ready_world()
+    m2 = model(generation=2, model={"version": "2"})
+    m2["status"] = m["status"]
+    world.index[engine_of(m2).index_key] = json.dumps(result_of(engine_of(m2)))
+    await run(c, m2, world)
+    reasons = [e[1] for e in kube.events]
+    assert "Deploying" in reasons and "DriftRestored" not in reasons
+
+
 async def test_replicas_under_an_autoscaler_are_not_drift():
     kube, world, m, c = await ready_world(autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5})
     m["spec"]["runtime"]["replicas"] = 4  # the scale subresource was written
