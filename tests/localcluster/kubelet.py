@@ -370,6 +370,7 @@ class PodWorker(threading.Thread):
         termination = self.dir / f"{container['name']}.termination-log"
         mounts.append({"source": str(termination), "target": container.get("terminationMessagePath")
                        or "/dev/termination-log", "readOnly": False})
+        mounts += [{"source": str(p), "target": str(p), "readOnly": True} for p in software()]
         policy = spec.get("restartPolicy", "Always")
         restarts, last_state = 0, None
         while not self.deleting.is_set():
@@ -571,6 +572,17 @@ class PodWorker(threading.Thread):
             data = {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
         items = ref.get("items")
         return {i["path"]: data[i["key"]] for i in items} if items else data
+
+
+def software() -> list[Path]:
+    """What stands in for the image: this checkout (with its virtualenv) and the Python it
+    runs on, mounted read-only at their own paths last, so that a pod's volume over /tmp
+    (an emptyDir) cannot hide a checkout that lives under /tmp."""
+    paths: list[Path] = []
+    for p in sorted({REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}, key=lambda p: len(p.parts)):
+        if not any(p.is_relative_to(q) for q in paths):
+            paths.append(p)
+    return paths
 
 
 def _initial(probe: dict | None) -> float:
