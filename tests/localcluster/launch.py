@@ -15,7 +15,9 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     # Hold every source open first: a mount over /tmp (an emptyDir) would otherwise hide
-    # sources that live under /tmp. /proc/self/fd/N still names them after that.
+    # sources that live under /tmp. /proc/<pid>/fd/N still names them after that, as long as
+    # mount(8) is told not to canonicalize it back into a path (which would then resolve
+    # inside the new /tmp).
     held = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
     for mount, fd in zip(spec["mounts"], held):
         source, target = f"/proc/{os.getpid()}/fd/{fd}", mount["target"]
@@ -25,9 +27,9 @@ def main() -> None:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             if not os.path.exists(target):
                 open(target, "a").close()
-        subprocess.run(["mount", "--bind", source, target], check=True)
+        subprocess.run(["mount", "--no-canonicalize", "--bind", source, target], check=True)
         if mount.get("readOnly"):
-            subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
+            subprocess.run(["mount", "--no-canonicalize", "-o", "remount,bind,ro", target], check=True)
     for fd in held:
         os.close(fd)
     os.chdir(spec.get("cwd") or "/")
