@@ -64,8 +64,6 @@ def build_module(module: str, version: str, sibling_version: str, packages: dict
             # else: a local path with no published module (etcd's FORBIDDEN_DEPENDENCY
             # guards, unpublished samples): not part of any binary we build.
         go("mod", "edit", *edits, cwd=work)
-        (work / "tools.go").write_text(
-            "//go:build tools\n\npackage tools\n")  # go needs a package in the module
         env = {"CGO_ENABLED": "0", "GOFLAGS": "-mod=mod"}
         go("get", *[f"{p}@{version}" for p in packages], cwd=work, env=env)
         out.mkdir(parents=True, exist_ok=True)

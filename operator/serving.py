@@ -16,7 +16,6 @@ from typing import Any, Mapping
 
 from kiln.operator import builders
 from kiln.operator import conditions as cond
-from kiln.operator.engines import EngineObservation
 from kiln.operator.rollout import Track, Tracks
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
 
