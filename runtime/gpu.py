@@ -132,8 +132,9 @@ def read_gpus(nvml: Any = None) -> list[GpuSample] | None:
 class GpuCollector:
     """A Prometheus collector that reads NVML at scrape time."""
 
-    def __init__(self, model: str, nvml: Any = None):
+    def __init__(self, model: str, nvml: Any = None, version: str = ""):
         self.model = model
+        self.version = version  # with namespace and pod from the scrape, ties a GPU to a model version
         self._nvml = nvml
 
     def describe(self):
@@ -148,13 +149,13 @@ class GpuCollector:
             return
         util = GaugeMetricFamily("kiln_gpu_utilization_ratio",
                                  "GPU busy time ratio (0..1) from NVML; absent for MIG slices.",
-                                 labels=["model", "gpu"])
+                                 labels=["model", "version", "gpu"])
         used = GaugeMetricFamily("kiln_gpu_memory_used_bytes", "GPU memory in use (NVML).",
-                                 labels=["model", "gpu"])
+                                 labels=["model", "version", "gpu"])
         total = GaugeMetricFamily("kiln_gpu_memory_total_bytes", "GPU memory in all (NVML).",
-                                  labels=["model", "gpu"])
+                                  labels=["model", "version", "gpu"])
         for s in samples:
-            labels = [self.model, s.label]
+            labels = [self.model, self.version, s.label]
             if s.utilization is not None:
                 util.add_metric(labels, s.utilization)
             used.add_metric(labels, s.memory_used_bytes)
@@ -164,8 +165,8 @@ class GpuCollector:
                 yield family
 
 
-def register_gpu_collector(registry, model: str, nvml: Any = None) -> GpuCollector:
+def register_gpu_collector(registry, model: str, version: str = "", nvml: Any = None) -> GpuCollector:
     """Add the NVML collector to `registry`; it exports nothing where there is no GPU."""
-    collector = GpuCollector(model, nvml)
+    collector = GpuCollector(model, nvml, version)
     registry.register(collector)
     return collector

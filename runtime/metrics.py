@@ -33,6 +33,11 @@ class ServerMetrics:
         self.batch_size = Histogram(
             "kiln_batch_size", "Rows per executed batch.", ["model"],
             buckets=BATCH_BUCKETS, registry=r)
+        self.engine_busy_seconds = Counter(
+            "kiln_engine_busy_seconds", "Seconds the execution contexts spent executing, divided "
+            "by their number: the rate is the fraction of engine capacity in use (0..1) on every "
+            "backend, the autoscaler's signal where no GPU metric exists.",
+            ["model", "version"], registry=r)
         self.executions = Counter(
             "kiln_executions", "Batch executions by outcome (success, retried, failed).",
             ["model", "outcome"], registry=r)

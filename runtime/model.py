@@ -111,9 +111,9 @@ def warmup_inputs(inputs: list[TensorSpec], profiles: Mapping[str, ShapeRange],
     return out
 
 
-def _default_scheduler(engine, runtime_spec, metrics, model, engine_key, clock):
+def _default_scheduler(engine, runtime_spec, metrics, model, engine_key, clock, version):
     from kiln.runtime.scheduler import Scheduler
-    return Scheduler(engine, runtime_spec, metrics, model, engine_key, clock=clock)
+    return Scheduler(engine, runtime_spec, metrics, model, engine_key, clock=clock, version=version)
 
 
 def _detect_target() -> str:
@@ -124,7 +124,7 @@ def _detect_target() -> str:
 class ServedModel:
     """One model a server answers for; the v2 dataplane talks to it, never to an engine.
 
-    `scheduler_factory(engine, runtime_spec, metrics, model, engine_key, clock)` builds the
+    `scheduler_factory(engine, runtime_spec, metrics, model, engine_key, clock, version)` builds the
     object requests go through (the batching Scheduler by default).
     """
 
@@ -256,7 +256,7 @@ class ServedModel:
 
         t = self._clock()
         self.scheduler = self._scheduler_factory(self.engine, self.runtime_spec, self.metrics,
-                                                 self.name, manifest.key, self._clock)
+                                                 self.name, manifest.key, self._clock, self.version)
         await self.scheduler.start()
         batching = self.runtime_spec.get("batching") or {}
         max_batch = batching.get("maxBatchSize") if batching.get("enabled", True) else None
@@ -274,7 +274,7 @@ class ServedModel:
     def _register_gpu_metrics(self) -> None:
         try:
             from kiln.runtime.gpu import register_gpu_collector
-            register_gpu_collector(self.metrics.registry, self.name)
+            register_gpu_collector(self.metrics.registry, self.name, self.version)
         except Exception as e:  # metrics are not worth failing the model for
             log.warning("model %s: GPU metrics unavailable: %s", self.name, _describe(e))
 

@@ -51,7 +51,7 @@ class ExecutionError(Exception):
 
 class ContextPool:
     def __init__(self, engine: LoadedEngine, size: int, metrics: ServerMetrics, model: str, *,
-                 max_retries: int = 2, unhealthy_after: int = 3,
+                 version: str = "", max_retries: int = 2, unhealthy_after: int = 3,
                  clock: Callable[[], float] = time.monotonic):
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_CONTEXTS:
             raise ValueError(f"contextsPerGPU must be an integer from 1 to {MAX_CONTEXTS}, got {size!r}")
@@ -66,6 +66,7 @@ class ContextPool:
         self._clock = clock
         self._executions = {o: metrics.executions.labels(model, o) for o in ("success", "retried", "failed")}
         self._recreations = metrics.context_recreations.labels(model)
+        self._busy = metrics.engine_busy_seconds.labels(model, version)
         self._recovery = metrics.context_recovery_seconds.labels(model)
         self._slots = [Slot(i, ThreadPoolExecutor(1, thread_name_prefix=f"kiln-context-{i}"))
                        for i in range(size)]
@@ -118,11 +119,14 @@ class ContextPool:
         if self._closed:
             raise RuntimeError("context pool is closed")
         loop = asyncio.get_running_loop()
+        started = self._clock()
         try:
             result = await loop.run_in_executor(slot.executor, self._run_with_retries, slot, inputs)
         except ExecutionError:
             self._consecutive_failures += 1
             raise
+        finally:  # failed attempts kept the context busy too
+            self._busy.inc((self._clock() - started) / self.size)
         self._consecutive_failures = 0
         return result
 

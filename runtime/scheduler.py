@@ -88,7 +88,7 @@ class Scheduler:
 
     def __init__(self, engine: LoadedEngine, runtime_spec: Mapping[str, Any] | None,
                  metrics: ServerMetrics, model: str, engine_key: str,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, version: str = ""):
         spec = runtime_spec or {}
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime spec must be a map, got {type(spec).__name__}")
@@ -106,7 +106,7 @@ class Scheduler:
         self.max_rows = min(self.batching.max_batch_size, self.engine_max_batch or math.inf)
         self._batch_requests = self.batching.enabled and self._batchable
         self.pool = ContextPool(engine, spec.get("contextsPerGPU", DEFAULT_CONTEXTS), metrics, model,
-                                max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
+                                version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
         self.cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
                                   model=model, clock=clock) if cache_config.enabled else None)
 

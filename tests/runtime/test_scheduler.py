@@ -281,6 +281,31 @@ async def test_batch_is_clipped_to_the_engine_profile_max(mlp):
     await s.close(5)
 
 
+# -- utilization ---------------------------------------------------------------------------
+
+async def test_busy_seconds_rate_is_the_fraction_of_contexts_in_use(mlp):
+    """kiln_engine_busy_seconds_total: the autoscaler's signal on every backend. One of two
+    contexts busy for 10 s adds 5 s (half the capacity); both busy for 10 s add 10 s."""
+    clock, engine = FakeClock(), FlakyEngine(load_engine(mlp))
+    metrics = ServerMetrics()
+    s = Scheduler(engine, {"batching": {"enabled": False}, "contextsPerGPU": 2}, metrics, "m", "key-a",
+                  clock=clock, version="7")
+    await s.start()
+    busy = lambda: metrics.registry.get_sample_value("kiln_engine_busy_seconds_total",  # noqa: E731
+                                                     {"model": "m", "version": "7"})
+    assert busy() == 0.0
+    for concurrent, added in ((1, 5.0), (2, 10.0)):
+        engine.gate = threading.Event()
+        before = busy()
+        pending = [asyncio.ensure_future(s.submit({"x": rows(1, seed=i)})) for i in range(concurrent)]
+        await settle()
+        clock.now += 10
+        engine.gate.set()
+        await asyncio.gather(*pending)
+        assert busy() - before == pytest.approx(added)
+    await s.close(5)
+
+
 # -- refusals ------------------------------------------------------------------------------
 
 async def test_request_above_max_batch_size_is_invalid(mlp):
