@@ -25,6 +25,9 @@ class OperatorConfig:
     retry_seconds: float = 5.0  # TemporaryError delay while waiting on something we cannot watch
     startup_budget_seconds: int = 600  # startup probe budget when no load time was measured
     operator_name: str = "kiln-operator"
+    # A firing alert not heard of again within this long is not trusted (hold): longer than
+    # Alertmanager's repeat_interval for Kiln's route (docs/operations.md).
+    signal_ttl_seconds: float = 600.0
 
     def backend_version(self, backend: str) -> str:
         try:

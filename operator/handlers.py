@@ -12,18 +12,23 @@
   owning it are woken too); an event on a runtime Deployment or Service reconciles its model. That
   is how a finished build is acted on within a second, without polling.
 
+- A change of the scaling-signal annotation (written by the alert receiver) reconciles the
+  model at once; a step that must look again later (a cooldown's end) gets a `Waker` timer.
+
 Handlers are registered on an explicit registry by `register()`, so the timer interval
 comes from configuration.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Mapping
 
 import kopf
 
 from kiln.operator import builders, reconcile
+from kiln.operator import signals as sig
 from kiln.runtime import contract
 
 logger = logging.getLogger("kiln.operator.handlers")
@@ -138,27 +143,73 @@ def views(kw: Mapping[str, Any]) -> reconcile.Views:
     )
 
 
+class Waker:
+    """Reconciles a model again after a delay, through the same indexes the handlers got:
+    for what ends with no watch event (a cooldown). One timer per model, the earliest wins.
+    Timers are only set by reconciles, which kopf runs only on the leading operator."""
+
+    def __init__(self, memo: Any) -> None:
+        self.memo = memo
+        self.kw: Mapping[str, Any] | None = None  # the kopf indexes, live views, from any handler
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+
+    def __call__(self, namespace: str, name: str, uid: str, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(seconds, 0.0)
+        timer = self.timers.get(uid)
+        if timer is not None and not timer.cancelled() and timer.when() <= when + 0.05:
+            return
+        if timer is not None:
+            timer.cancel()
+        self.timers[uid] = loop.call_at(when, lambda: asyncio.ensure_future(self._fire(namespace, name, uid)))
+
+    async def _fire(self, namespace: str, name: str, uid: str) -> None:
+        self.timers.pop(uid, None)
+        if self.kw is not None:
+            await _reconcile_models([(namespace, name)], self.memo, self.kw, logger)
+
+    def cancel(self, uid: str) -> None:
+        timer = self.timers.pop(uid, None)
+        if timer is not None:
+            timer.cancel()
+
+
+def _seen(memo: Any, kw: Mapping[str, Any]) -> None:
+    waker = getattr(memo, "waker", None)
+    if waker is None:
+        memo.waker = waker = Waker(memo)
+        memo.ctx.wake = waker
+    waker.kw = kw
+
+
 # ------------------------------------------------------------------------ handlers
 
 async def on_model(body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
-    """create / update / resume: reconcile; kopf retries on TemporaryError, stops on PermanentError."""
+    """create / update / resume / a new scaling signal: reconcile; kopf retries on
+    TemporaryError, stops on PermanentError."""
+    _seen(memo, kw)
     await reconcile.reconcile(memo.ctx, dict(body), views(kw))
 
 
 async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
     """The timer: the same reconcile; failures are logged and left to the next tick."""
+    _seen(memo, kw)
     try:
         await reconcile.reconcile(memo.ctx, dict(body), views(kw))
     except (kopf.TemporaryError, kopf.PermanentError) as e:
         logger.debug(f"resync: {e}")
 
 
-async def on_model_deleted(uid: str, memo: Any, **_: Any) -> None:
+async def on_model_deleted(namespace: str, name: str, uid: str, memo: Any, **_: Any) -> None:
     memo.ctx.forget(uid)  # the owned objects go by ownerReferences (the garbage collector)
+    memo.ctx.metrics.forget(namespace, name)
+    if getattr(memo, "waker", None) is not None:
+        memo.waker.cancel(uid)
 
 
 async def _reconcile_models(names: list[tuple[str, str]], memo: Any, kw: Mapping[str, Any],
                             log: logging.Logger) -> None:
+    _seen(memo, kw)
     models = kw["kiln_models"]
     v = views(kw)
     for ns, name in names:
@@ -213,6 +264,8 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
     kopf.on.create(*MODELS, id="reconcile", registry=registry)(on_model)
     kopf.on.update(*MODELS, id="reconcile", field="spec", registry=registry)(on_model)
     kopf.on.resume(*MODELS, id="reconcile", registry=registry)(on_model)
+    kopf.on.update(*MODELS, id="scaling-signal", field=("metadata", "annotations", sig.ANN_SIGNALS),
+                   registry=registry)(on_model)
     kopf.on.delete(*MODELS, id="forget", optional=True, registry=registry)(on_model_deleted)
     kopf.timer(*MODELS, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
                registry=registry)(on_resync)

@@ -54,6 +54,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="interval of the level-triggered resync timer per model")
     parser.add_argument("--retry-seconds", type=float, default=5.0,
                         help="retry delay while waiting on something that cannot be watched")
+    parser.add_argument("--alert-receiver-port", type=int, default=0, metavar="PORT",
+                        help="port of the Alertmanager webhook receiver (POST /alerts) and the operator's "
+                             "metrics (GET /metrics); 0 (the default) disables both; the chart sets 8081")
+    parser.add_argument("--alert-token-file", default=None, metavar="PATH",
+                        help="file holding the bearer token Alertmanager must send (a mounted Secret); "
+                             "required while the receiver is on")
+    parser.add_argument("--signal-ttl-seconds", type=float, default=600.0,
+                        help="a firing alert not delivered again within this long is not acted on; "
+                             "keep it above Alertmanager's repeat_interval for Kiln's route")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -70,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         cache_claim=args.cache_claim,
         resync_seconds=args.resync_seconds,
         retry_seconds=args.retry_seconds,
+        signal_ttl_seconds=args.signal_ttl_seconds,
     )
 
 
@@ -107,15 +117,22 @@ def settings(verbose: bool = False) -> Any:
 async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, standalone: bool = True,
                 peering: str | None = None, liveness: str | None = None, kubeconfig: str | None = None,
                 verbose: bool = False, ready_flag: Any = None, stop_flag: Any = None,
-                kube: Any = None) -> None:
+                kube: Any = None, alert_port: int = 0, alert_token: str | None = None) -> None:
     """Run the operator in the current event loop until `stop_flag` (tests use this directly)."""
+    import fnmatch
+
     import kopf
 
-    from kiln.operator import handlers, kube as kubemod, reconcile
+    from kiln.operator import alerts, handlers, kube as kubemod, reconcile
 
     if kube is None:
         kube = kubemod.Kube(kubemod.load_client(kubeconfig), component=config.operator_name)
     ctx = reconcile.Context(config=config, kube=kube)
+    runner = None
+    if alert_port:
+        watched = (lambda ns: any(fnmatch.fnmatchcase(ns, g) for g in namespaces)) if namespaces else (lambda ns: True)
+        receiver = alerts.Receiver(kube, alert_token or "", ctx.metrics, ctx.clock, watched)
+        runner = await alerts.serve(receiver, alert_port)
     registry = handlers.register(kopf.OperatorRegistry(), config.resync_seconds)
     # An explicit registry has no implicit login: kopf gets the credentials the operator's
     # client uses (in-cluster service account, else the kubeconfig).
@@ -123,18 +140,22 @@ async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, 
     def login(**_: Any) -> Any:
         return kubemod.connection_info(kubeconfig)
 
-    await kopf.operator(
-        registry=registry,
-        settings=settings(verbose),
-        standalone=standalone,
-        peering_name=peering,
-        liveness_endpoint=liveness or None,
-        clusterwide=not namespaces,
-        namespaces=namespaces or (),
-        memo=kopf.Memo(ctx=ctx),
-        ready_flag=ready_flag,
-        stop_flag=stop_flag,
-    )
+    try:
+        await kopf.operator(
+            registry=registry,
+            settings=settings(verbose),
+            standalone=standalone,
+            peering_name=peering,
+            liveness_endpoint=liveness or None,
+            clusterwide=not namespaces,
+            namespaces=namespaces or (),
+            memo=kopf.Memo(ctx=ctx),
+            ready_flag=ready_flag,
+            stop_flag=stop_flag,
+        )
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
+    from kiln.operator import alerts
     from kiln.runtime import enginekey
 
     config = config_from_args(args)
@@ -156,9 +178,20 @@ def run(args: argparse.Namespace) -> int:
 
     kopf.configure(debug=args.verbose, verbose=args.verbose)
     logging.getLogger("kiln").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    token = None
+    if args.alert_receiver_port:
+        if not args.alert_token_file:
+            print("kiln operator: --alert-token-file is required while --alert-receiver-port is set "
+                  "(0 disables the receiver)", file=sys.stderr)
+            return 2
+        try:
+            token = alerts.read_token(args.alert_token_file)
+        except ValueError as e:
+            print(f"kiln operator: {e}", file=sys.stderr)
+            return 2
     if args.kubeconfig:  # read by kopf's login and by the kubernetes client alike
         os.environ["KUBECONFIG"] = args.kubeconfig
     asyncio.run(serve(config, namespaces=args.namespace or None, standalone=args.standalone,
                       peering=args.peering, liveness=args.liveness, kubeconfig=args.kubeconfig,
-                      verbose=args.verbose))
+                      verbose=args.verbose, alert_port=args.alert_receiver_port, alert_token=token))
     return 0

@@ -42,6 +42,7 @@ class Outcome:
     phase: str
     waiting: bool  # engines are being built or pods are starting
     writes: int  # API writes this pass made
+    wake_after: float | None = None  # when a step wants to look again though nothing changes
 
 
 async def reconcile(ctx: Context, model: Mapping[str, Any], views: Views) -> Outcome:
@@ -75,12 +76,15 @@ async def _reconcile(ctx: Context, model: Mapping[str, Any], views: Views) -> Ou
         await _post_events(ctx, model, events + p.events)
     if p.invalid is not None:
         raise kopf.PermanentError(f"the spec cannot work: {p.invalid}")
+    wake_after = min((r.wake_after for r in results.values() if r.wake_after is not None), default=None)
+    if wake_after is not None:
+        ctx.wake(p.ns, p.name, uid, wake_after)
     requeue = min((r.requeue for r in results.values() if r.requeue is not None), default=None)
     if requeue is not None:
         raise kopf.TemporaryError("waiting on a build Job that is being replaced", delay=requeue)
     writes = sum(ctx.kube.calls[m] for m in ("POST", "PATCH", "DELETE")) - writes_before
     waiting = any(r.waiting for r in results.values()) or status["phase"] in ("Building", "Deploying")
-    return Outcome(status["phase"], waiting, writes)
+    return Outcome(status["phase"], waiting, writes, wake_after)
 
 
 # The status fields the steps and the reconcile own: cleared when no step sets them, unless

@@ -19,6 +19,7 @@ from kiln.operator import builders
 from kiln.operator import conditions as cond
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import Kube
+from kiln.operator.metrics import OperatorMetrics
 from kiln.runtime import spec as specmod
 
 Event = tuple[str, str, str]  # (type, reason, message)
@@ -47,6 +48,9 @@ class Context:
     config: OperatorConfig
     kube: Kube
     clock: cond.Clock = cond.utcnow
+    metrics: OperatorMetrics = dataclasses.field(default_factory=OperatorMetrics)
+    # Reconciles a model again after a delay: (namespace, name, uid, seconds). handlers.py sets it.
+    wake: Callable[[str, str, str, float], None] = lambda ns, name, uid, seconds: None
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     results: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
     last_status: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -138,7 +142,8 @@ class StepResult:
     conditions: dict[str, Condition] = dataclasses.field(default_factory=dict)
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
     events: list[Event] = dataclasses.field(default_factory=list)  # from condition transitions
-    requeue: float | None = None  # look again after this many seconds (something no watch event ends)
+    requeue: float | None = None  # retry after this many seconds (a build Job being replaced)
+    wake_after: float | None = None  # reconcile again after this many seconds (a cooldown's end: no event comes)
     waiting: bool = False  # engines are being built or pods are starting
     out: Any = None  # what later steps read (p.out[step name]); never status
 

@@ -134,8 +134,10 @@ def test_status_written_by_the_operator_is_accepted():
                    "startedAt": "2025-01-01T00:00:00Z", "stepStartedAt": "2025-01-01T00:00:00Z",
                    "analysisFailures": 0},
         "replicas": 3, "readyReplicas": 3, "selector": "kiln.dev/model=resnet50",
-        "scaling": [{"time": "2025-01-01T00:00:00Z", "from": 2, "to": 3,
-                     "reason": "GPUUtilizationHigh", "source": "KilnGPUUtilizationHigh"}],
+        "scaling": {"replicas": 3, "generation": 4, "lastScaleTime": "2025-01-01T00:00:00Z",
+                    "lastDecision": "2->3 UtilizationHigh",
+                    "history": [{"time": "2025-01-01T00:00:00Z", "from": 2, "to": 3, "reason": "UtilizationHigh",
+                                 "source": "KilnUtilizationHigh", "message": "utilization 0.93, target 0.70"}]},
     }
     assert spec.validate(obj) == []
     obj["status"]["conditions"].append(dict(obj["status"]["conditions"][0]))
@@ -164,7 +166,8 @@ def test_apply_defaults_fills_what_the_api_server_would():
     assert d["runtime"]["port"] == 8080 and d["runtime"]["contextsPerGPU"] == 2
     assert d["autoscaling"] == {"enabled": False, "minReplicas": 1, "maxReplicas": 4,
                                 "targetGPUUtilization": 70, "scaleUpCooldownSeconds": 60,
-                                "scaleDownCooldownSeconds": 300, "maxStep": 2}
+                                "scaleDownCooldownSeconds": 300, "maxStep": 2,
+                                "scaleDownStabilizationSeconds": 300}
     assert [s["pauseSeconds"] for s in d["rollout"]["steps"]] == [120, 300, 600]
     assert d["rollout"]["traffic"] == {"mechanism": "ReplicaRatio"}
     assert "targets" in d["engine"] and "image" not in d["runtime"]  # operator's defaults
@@ -284,7 +287,7 @@ def test_printer_columns_point_into_the_schema():
     paths = {p for p, _ in walk(spec.schema())}
     cols = version["additionalPrinterColumns"]
     assert [c["name"] for c in cols if not c.get("priority")] == [
-        "Phase", "Version", "Engine", "Ready", "Desired", "Canary", "Age"]
+        "Phase", "Version", "Engine", "Ready", "Desired", "Scaling", "Canary", "Age"]
     for c in cols:
         path = c["jsonPath"].lstrip(".")
         assert path == "metadata.creationTimestamp" or path in paths, c

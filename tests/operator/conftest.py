@@ -90,21 +90,33 @@ class Api:
                 and e["involvedObject"]["kind"] == "InferenceModel"]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class OperatorThread:
     """The real operator (`kiln.operator.main.serve`) in a background thread."""
 
-    def __init__(self, kubeconfig: Path, **config: Any) -> None:
+    def __init__(self, kubeconfig: Path, alert_token: str | None = None, **config: Any) -> None:
         from kiln.operator import main
         from kiln.operator.config import OperatorConfig
 
         self.config = OperatorConfig(**config)
+        # The Alertmanager receiver on a free loopback port when a token is given.
+        self.alert_token, self.alert_port = alert_token, _free_port() if alert_token else 0
+        self.alerts_url = f"http://127.0.0.1:{self.alert_port}/alerts"
         self.ready, self.stop_flag = threading.Event(), threading.Event()
         self.error: BaseException | None = None
 
         def target() -> None:
             try:
                 asyncio.run(main.serve(self.config, standalone=True, liveness=None, kubeconfig=str(kubeconfig),
-                                       ready_flag=self.ready, stop_flag=self.stop_flag))
+                                       ready_flag=self.ready, stop_flag=self.stop_flag,
+                                       alert_port=self.alert_port, alert_token=alert_token))
             except BaseException as e:  # surfaced by start()/stop()
                 self.error = e
 
@@ -153,6 +165,6 @@ def start_operator(cluster):
 
 @pytest.fixture(scope="module")
 def operator(cluster):
-    op = OperatorThread(cluster.kubeconfig, resync_seconds=600, retry_seconds=0.5).start()
+    op = OperatorThread(cluster.kubeconfig, alert_token="test-token", resync_seconds=600, retry_seconds=0.5).start()
     yield op
     op.stop()

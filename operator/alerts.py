@@ -1,0 +1,237 @@
+"""The Alertmanager webhook receiver: records scaling signals on the models they name.
+
+`POST /alerts` takes Alertmanager's webhook payload (version 4). It is authenticated (a
+bearer token from a Secret, compared in constant time: 401 otherwise), bounded (1 MiB: 413;
+at most MAX_ALERTS alerts), validated (400 with the reason), and idempotent: each alert is
+merged into the model's signal record (`signals.merge`), so a payload delivered twice, or by
+several Alertmanager replicas, changes the record once. Alerts are mapped to InferenceModels
+by their `namespace` and `model` labels; an unknown model is counted and logged, then
+ignored. The receiver decides nothing: writing the record wakes the model, and the scaling
+step (`scaling.py`) decides - on whichever operator replica leads, since any replica may
+receive. `GET /metrics` serves the operator's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from aiohttp import web
+
+from kiln.operator import signals as sig
+from kiln.operator.kube import ApiError, Kube
+from kiln.operator.metrics import OperatorMetrics
+from kiln.runtime.contract import KIND
+
+logger = logging.getLogger("kiln.operator.alerts")
+
+MAX_BODY_BYTES = 1 << 20
+MAX_ALERTS = 1000
+MAX_LABEL_BYTES = 1024
+CONFLICT_RETRIES = 3
+RECENT = 10_000  # alerts remembered as already applied (duplicates skip the API entirely)
+
+
+class Invalid(ValueError):
+    """The payload is not an Alertmanager webhook v4 payload Kiln can act on (400)."""
+
+
+def parse_payload(body: bytes) -> tuple[str, list[dict[str, Any]]]:
+    """(groupKey, alerts) from a webhook payload; raises Invalid with the reason."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise Invalid(f"the body is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise Invalid("the payload must be a JSON object")
+    if data.get("version") != "4":
+        raise Invalid(f"unsupported payload version {data.get('version')!r}: Alertmanager's webhook sends \"4\"")
+    group_key = data.get("groupKey")
+    if not isinstance(group_key, str) or not group_key:
+        raise Invalid("groupKey must be a non-empty string")
+    alerts = data.get("alerts")
+    if not isinstance(alerts, list):
+        raise Invalid("alerts must be a list")
+    if len(alerts) > MAX_ALERTS:
+        raise Invalid(f"{len(alerts)} alerts in one payload; at most {MAX_ALERTS} (set max_alerts in the webhook config)")
+    for i, alert in enumerate(alerts):
+        where = f"alerts[{i}]"
+        if not isinstance(alert, dict):
+            raise Invalid(f"{where} must be an object")
+        if alert.get("status") not in (sig.FIRING, sig.RESOLVED):
+            raise Invalid(f"{where}.status must be firing or resolved, got {alert.get('status')!r}")
+        for field in ("labels", "annotations"):
+            value = alert.get(field, {})
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and len(k) + len(v) <= MAX_LABEL_BYTES
+                    for k, v in value.items()):
+                raise Invalid(f"{where}.{field} must map strings to strings (each under {MAX_LABEL_BYTES} bytes)")
+        try:
+            sig.parse_time(alert.get("startsAt"))
+        except ValueError as e:
+            raise Invalid(f"{where}.startsAt: {e}") from None
+        if not isinstance(alert.get("fingerprint", ""), str):
+            raise Invalid(f"{where}.fingerprint must be a string")
+    return group_key, alerts
+
+
+def _value(annotations: Mapping[str, str]) -> float | None:
+    try:
+        value = float(annotations.get("value", ""))
+    except ValueError:
+        return None
+    return value if value == value and abs(value) != float("inf") else None  # NaN, Inf: unknown
+
+
+class Receiver:
+    """The HTTP side: one instance per operator process."""
+
+    def __init__(self, kube: Kube, token: str, metrics: OperatorMetrics,
+                 clock: Callable[[], Any], namespaces: Callable[[str], bool] = lambda ns: True):
+        if not token:
+            raise ValueError("the alert receiver needs a bearer token (--alert-token-file)")
+        self.kube, self.metrics, self.clock, self.watched = kube, metrics, clock, namespaces
+        self._expected = f"Bearer {token}".encode()
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # (namespace, model, alertname, fingerprint, startsAt, status) -> when it was applied
+        self._recent: collections.OrderedDict[tuple[str, ...], float] = collections.OrderedDict()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/alerts", self.alerts)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/healthz", self.healthz)
+        return app
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def alerts(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        try:
+            return await self._alerts(request)
+        finally:
+            self.metrics.receiver_seconds.observe(time.perf_counter() - started)
+
+    async def _alerts(self, request: web.Request) -> web.Response:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, self._expected):
+            self.metrics.alerts_received.labels("unauthorized").inc()
+            return web.json_response({"error": "a valid bearer token is required"}, status=401,
+                                     headers={"WWW-Authenticate": 'Bearer realm="kiln-alerts"'})
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.alerts_received.labels("too_large").inc()
+            return web.json_response({"error": f"the payload is over {MAX_BODY_BYTES} bytes"}, status=413)
+        try:
+            group_key, alerts = parse_payload(body)
+        except Invalid as e:
+            self.metrics.alerts_received.labels("invalid").inc()
+            return web.json_response({"error": str(e)}, status=400)
+        tally = await self.record(group_key, alerts)
+        for result, n in tally.items():
+            self.metrics.alerts_received.labels(result).inc(n)
+        return web.json_response(tally)
+
+    async def record(self, group_key: str, alerts: list[dict[str, Any]]) -> dict[str, int]:
+        """Merge the alerts into their models' records; a tally by result."""
+        tally: collections.Counter[str] = collections.Counter()
+        now = self.clock()
+        by_model: dict[tuple[str, str], dict[str, sig.Signal]] = {}
+        keys: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        for alert in alerts:
+            labels = alert.get("labels") or {}
+            name, ns, model = labels.get("alertname"), labels.get("namespace"), labels.get("model")
+            if name not in sig.ALERTS or not ns or not model or not self.watched(ns):
+                tally["ignored"] += 1
+                continue
+            fingerprint = str(alert.get("fingerprint") or "")
+            key = (ns, model, name, fingerprint, alert["startsAt"], alert["status"])
+            if self._is_recent(key, now):
+                tally["duplicate"] += 1
+                continue
+            incoming = sig.Signal(state=alert["status"], starts_at=min(sig.parse_time(alert["startsAt"]), now),
+                                  seen=now, fingerprint=fingerprint, value=_value(alert.get("annotations") or {}))
+            mine = by_model.setdefault((ns, model), {})
+            mine[name] = sig.merge(mine.get(name), incoming) or mine[name]
+            keys.setdefault((ns, model), []).append(key)
+        models = list(by_model)
+        results = await asyncio.gather(*(self._apply(ns, model, by_model[(ns, model)], group_key)
+                                         for ns, model in models))
+        for (ns, model), result in zip(models, results):
+            tally.update(result)
+            if "unknown_model" not in result:  # applied: a repeat within REFRESH_SECONDS skips the API
+                for key in keys[(ns, model)]:
+                    self._remember(key, now)
+        return dict(tally)
+
+    async def _apply(self, ns: str, model: str, incoming: Mapping[str, sig.Signal], group_key: str) -> dict[str, int]:
+        async with self._locks.setdefault((ns, model), asyncio.Lock()):
+            for _ in range(CONFLICT_RETRIES):
+                obj = await self.kube.get(KIND, ns, model)
+                if obj is None:
+                    logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored",
+                                   group_key, ns, model)
+                    return {"unknown_model": len(incoming)}
+                meta = obj["metadata"]
+                record = sig.parse(meta.get("annotations"))
+                changed = 0
+                for name, signal in incoming.items():
+                    merged = sig.merge(record.get(name), signal)
+                    if merged is not None:
+                        record[name], changed = merged, changed + 1
+                if not changed:
+                    return {"duplicate": len(incoming)}
+                patch = {"metadata": {"resourceVersion": meta["resourceVersion"],
+                                      "annotations": {sig.ANN_SIGNALS: sig.dump(record)}}}
+                try:
+                    await self.kube.patch(KIND, ns, model, patch)
+                except ApiError as e:
+                    if e.status == 409:
+                        continue  # changed meanwhile: merge again into what is there now
+                    if e.status == 404:
+                        return {"unknown_model": len(incoming)}
+                    raise
+                return {k: n for k, n in (("accepted", changed), ("duplicate", len(incoming) - changed)) if n}
+            raise web.HTTPServiceUnavailable(text="the model kept changing; Alertmanager will retry")
+
+    def _is_recent(self, key: tuple[str, ...], now: Any) -> bool:
+        at = self._recent.get(key)
+        return at is not None and (now - at).total_seconds() < sig.REFRESH_SECONDS
+
+    def _remember(self, key: tuple[str, ...], now: Any) -> None:
+        self._recent[key] = now
+        self._recent.move_to_end(key)
+        while len(self._recent) > RECENT:
+            self._recent.popitem(last=False)
+
+
+def read_token(path: str) -> str:
+    """The bearer token from a mounted Secret's file; a clear error when it is missing or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the alert receiver's token file {path}: {e.strerror}") from None
+    if not token:
+        raise ValueError(f"the alert receiver's token file {path} is empty")
+    return token
+
+
+async def serve(receiver: Receiver, port: int, host: str = "0.0.0.0") -> web.AppRunner:
+    """Start the receiver's HTTP server; the caller cleans the runner up."""
+    runner = web.AppRunner(receiver.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    logger.info("alert receiver listening on %s:%d (POST /alerts, GET /metrics)", host, port)
+    return runner
