@@ -509,7 +509,7 @@ def test_a_low_alert_scales_down_after_its_stabilization_window(api, operator):
     assert (held["reason"], spec_replicas(api, ns, name)) == ("Stabilizing", 4)
     # No further delivery and no watch event: the operator looks again when the window ends.
     api.wait(lambda: spec_replicas(api, ns, name) == 2, 10, "4 -> 2 (maxStep) after the window")
-    assert history(api, ns, name)[-1]["reason"] == "UtilizationLow"
+    api.wait(lambda: history(api, ns, name)[-1]["reason"] == "UtilizationLow", 5, "the decision in status")
 
 
 def test_missing_metrics_hold_and_a_manual_scale_is_kept(api, operator):
