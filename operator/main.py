@@ -54,6 +54,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="interval of the level-triggered resync timer per model")
     parser.add_argument("--retry-seconds", type=float, default=5.0,
                         help="retry delay while waiting on something that cannot be watched")
+    parser.add_argument("--alert-receiver-port", type=int, default=8081, metavar="PORT",
+                        help="port of the Alertmanager webhook receiver (POST /alerts) and of the "
+                             "operator's /metrics (0 disables both)")
+    parser.add_argument("--alert-token-file", default=None, metavar="PATH",
+                        help="file holding the bearer token Alertmanager must send (required with a "
+                             "receiver port)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
