@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Go builds the control plane (hack/build_controlplane.py); where it usually lives, if not on PATH.
 export PATH := $(PATH):/usr/local/go/bin
 
-.PHONY: demo test test-e2e bench bench-tools install tools controlplane cluster cluster-down e2e-docs clean
+.PHONY: demo test test-e2e bench bench-tools install tools monitoring-tools rules controlplane cluster cluster-down e2e-docs clean
 
 # The virtual environment with pinned test dependencies and Kiln linked in (strict
 # editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
@@ -36,12 +36,31 @@ $(HELM):
 
 tools: $(HELM)
 
+# Debian's Prometheus and Alertmanager (promtool, amtool and the real servers the tests start
+# on loopback); installing them starts nothing (no init system). A no-op when present.
+MONITORING_PACKAGES := prometheus prometheus-alertmanager
+monitoring-tools:
+	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends $(MONITORING_PACKAGES) >/dev/null 2>&1 || { \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends $(MONITORING_PACKAGES) >/dev/null; }; }
+	@promtool --version 2>&1 | head -1
+
+# The chart's autoscaling rules rendered with default values, for a Prometheus without the
+# operator; tests/chart fails when this file and the chart's template differ.
+RULES_FILE := charts/kiln/files/kiln-autoscaling.rules.yaml
+rules: $(BIN)/.deps $(HELM)
+	$(HELM) template kiln charts/kiln --show-only templates/autoscaling-rules.yaml \
+		--set autoscaling.rulesConfigMap.enabled=true \
+		| $(BIN)/python -c "import sys, yaml; sys.stdout.write(yaml.safe_load(sys.stdin)['data']['kiln-autoscaling.rules.yaml'])" \
+		> $(RULES_FILE)
+
 # The real control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok),
 # built from upstream Go modules into .tools/<name>-<version>/ once; a no-op when present.
 controlplane:
 	$(PYTHON) hack/build_controlplane.py --dest $(TOOLS)
 
-test: install tools controlplane
+test: install tools monitoring-tools controlplane
 	PATH=$(CURDIR)/$(TOOLS):$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
 
 # Only the real tier (tests/e2e): the control plane, helm install, real builds and pods.

@@ -2,8 +2,11 @@
 
 Every `charts/kiln/ci/*-values.yaml` scenario is rendered with `helm template
 --include-crds --kube-version`, and every object validated by kubernetes-validate in strict
-mode against Kubernetes 1.30 (the CRD as an apiextensions.k8s.io/v1 object). Needs `helm`
-on PATH (`make test` puts the one from `make tools` there); skipped without it.
+mode against Kubernetes 1.30 (the CRD as an apiextensions.k8s.io/v1 object); the Prometheus
+Operator's kinds, which it cannot know, structurally here. The autoscaling rules are checked
+and unit-tested by promtool (tests/chart/rules/*_test.yaml). Needs `helm` on PATH (`make test`
+puts the one from `make tools` there) and `promtool` (`make monitoring-tools`); each test is
+skipped without its tool.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ NAMESPACE = "kiln-system"
 HELM = shutil.which("helm")
 needs_helm = pytest.mark.skipif(
     HELM is None, reason="helm is not on PATH: run `make tools` and put .tools on PATH (make test does)")
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not on PATH: `make monitoring-tools` installs Debian's prometheus "
+                             "(make test does)")
+
+# The Prometheus Operator's kinds: a scenario that names them is rendered as if the cluster
+# served them (.Capabilities.APIVersions), so the chart renders its monitoring objects.
+MONITORING_APIS = tuple(f"monitoring.coreos.com/v1/{kind}" for kind in ("PrometheusRule", "ServiceMonitor", "PodMonitor"))
+SCENARIO_API_VERSIONS = {"monitoring-values.yaml": MONITORING_APIS}
+RULES_FILE = CHART / "files" / "kiln-autoscaling.rules.yaml"
+RULES_KEY = "kiln-autoscaling.rules.yaml"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -48,11 +62,14 @@ def helm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
 
 
-def render(*values: Path, extra: tuple[str, ...] = ()) -> list[dict]:
+def render(*values: Path, extra: tuple[str, ...] = (), api_versions: tuple[str, ...] = ()) -> list[dict]:
     args = ["template", "kiln", str(CHART), "--namespace", NAMESPACE, "--include-crds",
             "--kube-version", KUBE_VERSION, *extra]
     for v in values:
         args += ["-f", str(v)]
+        api_versions += SCENARIO_API_VERSIONS.get(v.name, ())
+    for api in api_versions:
+        args += ["--api-versions", api]
     out = helm(*args)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.load_all(out.stdout, Loader=_UniqueKeyLoader) if d]
@@ -119,7 +136,9 @@ def test_values_schema_is_strict():
 
 def test_ci_scenarios_exist():
     assert {p.name for p in SCENARIOS} >= {"default-values.yaml", "all-namespaces-values.yaml",
-                                           "namespaced-values.yaml", "no-pvc-values.yaml"}
+                                           "namespaced-values.yaml", "no-pvc-values.yaml",
+                                           "monitoring-values.yaml", "no-receiver-values.yaml"}
+    assert set(SCENARIO_API_VERSIONS) <= {p.name for p in SCENARIOS}
 
 
 # ------------------------------------------------------------------ helm
@@ -139,6 +158,9 @@ def test_every_rendered_object_is_valid_kubernetes(values):
     objs = render(values)
     assert objs
     for obj in objs:
+        if obj["apiVersion"] == "monitoring.coreos.com/v1":
+            assert_valid_monitoring_object(obj)
+            continue
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -166,9 +188,12 @@ def test_operator_deployment_is_hardened_and_configured():
         "--backend-version=tensorrt=10.13.0",
         "--default-targets=sm80,sm89,sm90",
         "--cache-claim=kiln-engine-cache",
+        "--alert-receiver-port=8081",
+        "--alert-token-file=/etc/kiln/alert-token/token",
     ]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "alerts", "containerPort": 8081, "protocol": "TCP"}]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] == 65532
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -289,6 +314,17 @@ def test_no_pvc_and_an_existing_service_account():
     ("cache:\n  pvc:\n    size: lots\n", "- at '/cache/pvc/size': 'lots' does not match pattern"),
     ("operator:\n  extraArgs: [verbose]\n",
      "- at '/operator/extraArgs/0': 'verbose' does not match pattern '^--'"),
+    ("autoscaling:\n  rules:\n    gpuUtilizationMetric: nvidia_smi_utilization\n",
+     "- at '/autoscaling/rules/gpuUtilizationMetric': value must be one of 'kiln_gpu_utilization_ratio', "
+     "'DCGM_FI_DEV_GPU_UTIL', 'DCGM_FI_PROF_GR_ENGINE_ACTIVE'"),
+    ("autoscaling:\n  rules:\n    highFor: 1 minute\n",
+     "- at '/autoscaling/rules/highFor': '1 minute' does not match pattern"),
+    ("autoscaling:\n  rules:\n    lowFraction: 1.5\n", "- at '/autoscaling/rules/lowFraction': exclusiveMaximum: got 1.5, want 1"),
+    ("autoscaling:\n  rules:\n    lowFraction: \"half\"\n",
+     "- at '/autoscaling/rules/lowFraction': 'half' does not match pattern"),
+    ("autoscaling:\n  receiver:\n    port: 80\n", "- at '/autoscaling/receiver/port': minimum: got 80, want 1,024"),
+    ("monitoring:\n  podMonitor:\n    enabled: yes please\n",
+     "- at '/monitoring/podMonitor/enabled': got string, want boolean"),
 ])
 def test_bad_values_are_rejected_by_the_schema(tmp_path, bad, message):
     f = tmp_path / "bad-values.yaml"
@@ -297,3 +333,405 @@ def test_bad_values_are_rejected_by_the_schema(tmp_path, bad, message):
     assert out.returncode != 0
     assert "values don't meet the specifications of the schema" in out.stderr
     assert message in out.stderr
+
+
+# ------------------------------------------------------------------ monitoring objects
+
+# What the Prometheus Operator's CRDs accept (monitoring.coreos.com/v1), as far as the chart
+# uses them: kubernetes-validate has no schema for them, and an unknown field would be pruned
+# or refused by the API server.
+RULE_GROUP_KEYS = {"name", "interval", "rules", "limit", "partial_response_strategy"}
+RULE_KEYS = {"record", "alert", "expr", "for", "keep_firing_for", "labels", "annotations"}
+ENDPOINT_KEYS = {"port", "targetPort", "path", "scheme", "params", "interval", "scrapeTimeout", "honorLabels",
+                 "honorTimestamps", "relabelings", "metricRelabelings", "tlsConfig", "bearerTokenSecret",
+                 "authorization", "basicAuth", "followRedirects", "enableHttp2", "proxyUrl"}
+MONITOR_SPECS = {
+    "PrometheusRule": ({"groups"}, {"groups"}),
+    "ServiceMonitor": ({"selector", "endpoints"}, {"selector", "endpoints", "namespaceSelector", "jobLabel",
+                                                   "targetLabels", "podTargetLabels", "sampleLimit"}),
+    "PodMonitor": ({"selector", "podMetricsEndpoints"}, {"selector", "podMetricsEndpoints", "namespaceSelector",
+                                                         "jobLabel", "podTargetLabels", "sampleLimit"}),
+}
+CRD_DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _string_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def assert_valid_monitoring_object(obj: dict) -> None:
+    where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+    assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}, where
+    assert obj["kind"] in MONITOR_SPECS, where
+    meta = obj["metadata"]
+    assert set(meta) <= {"name", "namespace", "labels", "annotations"}, where
+    assert DNS_SUBDOMAIN.match(meta["name"]) and len(meta["name"]) <= 253, where
+    assert DNS_SUBDOMAIN.match(meta["namespace"]), where
+    assert _string_map(meta.get("labels", {})) and _string_map(meta.get("annotations", {})), where
+    required, allowed = MONITOR_SPECS[obj["kind"]]
+    spec = obj["spec"]
+    assert required <= set(spec) <= allowed, f"{where}: spec keys {sorted(spec)}"
+    if obj["kind"] == "PrometheusRule":
+        for group in spec["groups"]:
+            assert {"name", "rules"} <= set(group) <= RULE_GROUP_KEYS, where
+            assert CRD_DURATION.match(group.get("interval", "0")), where
+            for rule in group["rules"]:
+                assert set(rule) <= RULE_KEYS and ("record" in rule) != ("alert" in rule), f"{where}: {rule}"
+                assert isinstance(rule["expr"], str) and CRD_DURATION.match(rule.get("for", "0")), f"{where}: {rule}"
+                assert _string_map(rule.get("labels", {})) and _string_map(rule.get("annotations", {})), where
+        return
+    assert set(spec["selector"]) <= {"matchLabels", "matchExpressions"} and spec["selector"], where
+    assert _string_map(spec["selector"].get("matchLabels", {})), where
+    ns = spec.get("namespaceSelector", {})
+    assert set(ns) <= {"any", "matchNames"} and isinstance(ns.get("any", False), bool), where
+    assert all(DNS_SUBDOMAIN.match(n) for n in ns.get("matchNames", [])), where
+    endpoints = spec["endpoints" if obj["kind"] == "ServiceMonitor" else "podMetricsEndpoints"]
+    assert endpoints, where
+    for endpoint in endpoints:
+        assert set(endpoint) <= ENDPOINT_KEYS and "port" in endpoint, f"{where}: {endpoint}"
+        assert CRD_DURATION.match(endpoint.get("interval", "0")), f"{where}: {endpoint}"
+        assert endpoint.get("path", "/").startswith("/"), where
+
+
+def test_the_structural_check_refuses_what_the_crds_would():
+    good = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": {"name": "kiln-runtime", "namespace": NAMESPACE},
+            "spec": {"selector": {"matchLabels": {"a": "b"}}, "podMetricsEndpoints": [{"port": "http"}]}}
+    assert_valid_monitoring_object(good)
+    for bad in ({**good, "spec": {**good["spec"], "endpoints": [{"port": "http"}]}},
+                {**good, "spec": {**good["spec"], "podMetricsEndpoints": [{"port": "http", "interval": "10 s"}]}},
+                {**good, "spec": {"selector": {"matchLabels": {"a": "b"}}}},
+                {**good, "kind": "Probe"}):
+        with pytest.raises(AssertionError):
+            assert_valid_monitoring_object(bad)
+
+
+@needs_helm
+def test_monitoring_objects_need_their_api_and_their_switch():
+    kinds = {"PrometheusRule", "ServiceMonitor", "PodMonitor"}
+    assert {o["kind"] for o in render(scenario("default"))} & kinds == set()
+    assert {o["kind"] for o in render(scenario("default"), api_versions=MONITORING_APIS)} >= kinds
+    off = ("--set", "autoscaling.prometheusRule.enabled=false", "--set", "monitoring.serviceMonitor.enabled=false",
+           "--set", "monitoring.podMonitor.enabled=false")
+    assert {o["kind"] for o in render(scenario("default"), extra=off, api_versions=MONITORING_APIS)} & kinds == set()
+    # The operator's /metrics is served by the receiver: without it, nothing to monitor.
+    objs = render(scenario("no-receiver"), api_versions=MONITORING_APIS)
+    assert {o["kind"] for o in objs} & kinds == {"PrometheusRule", "PodMonitor"}
+
+
+def runtime_pod_template() -> dict:
+    """A runtime pod as the operator builds it (labels, ports, annotations)."""
+    from kiln.operator import builders
+    from kiln.operator.config import OperatorConfig
+    from kiln.runtime import spec as specmod
+
+    model = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
+             "metadata": {"name": "resnet", "namespace": "ml-prod", "uid": "u-1", "generation": 1}}
+    spec = specmod.apply_defaults({"model": {"uri": "pvc://models/resnet.onnx", "version": "1", "sha256": "3f" * 32},
+                                   "engine": {"backend": "onnxruntime"}})
+    config = OperatorConfig()
+    engines = builders.plan_engines(spec, config)
+    dep = builders.runtime_deployment(model, spec, engines, {e.index_key: {"path": "p"} for e in engines}, config)
+    return dep["spec"]["template"]
+
+
+@needs_helm
+def test_pod_monitor_scrapes_the_runtime_pods_the_operator_builds():
+    objs = render(scenario("monitoring"))
+    (pm,) = by_kind(objs, "PodMonitor")
+    assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    pod = runtime_pod_template()
+    assert pm["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/managed-by": "kiln",
+                                                      "app.kubernetes.io/component": "runtime"}}
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "http", "path": "/metrics", "interval": "10s"}
+    assert endpoint["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"]
+    assert pm["spec"]["namespaceSelector"] == {"any": True}
+    (pm,) = by_kind(render(scenario("namespaced"), api_versions=MONITORING_APIS), "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["ml-prod", "ml-staging"]}
+
+
+@needs_helm
+def test_service_monitor_scrapes_the_operator_keeping_its_labels():
+    objs = render(scenario("monitoring"))
+    (sm,) = by_kind(objs, "ServiceMonitor")
+    (svc,) = by_kind(objs, "Service")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert sm["spec"]["endpoints"] == [{"port": "alerts", "path": "/metrics", "honorLabels": True, "interval": "15s"}]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["alerts"]
+
+
+# ------------------------------------------------------------------ the alert receiver
+
+def operator_container(objs: list[dict]) -> tuple[dict, dict]:
+    (dep,) = by_kind(objs, "Deployment")
+    template = dep["spec"]["template"]
+    (c,) = template["spec"]["containers"]
+    return template, c
+
+
+@needs_helm
+def test_receiver_secret_service_and_mount():
+    import base64
+
+    objs = render(scenario("default"))
+    (secret,) = by_kind(objs, "Secret")
+    assert secret["metadata"]["name"] == "kiln-alert-token" and secret["metadata"]["namespace"] == NAMESPACE
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    # Generated, not a constant of the chart (an upgrade keeps the live one through lookup).
+    assert by_kind(render(scenario("default")), "Secret")[0]["data"]["token"] != secret["data"]["token"]
+
+    template, c = operator_container(objs)
+    (svc,) = by_kind(objs, "Service")
+    assert svc["metadata"]["name"] == "kiln-alerts"
+    assert svc["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "alerts", "port": 8081, "targetPort": "alerts", "protocol": "TCP"}]
+    assert {"name": "alerts", "containerPort": 8081, "protocol": "TCP"} in c["ports"]
+    assert {"name": "alert-token", "mountPath": "/etc/kiln/alert-token", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "alert-token", "secret": {"secretName": "kiln-alert-token", "defaultMode": 0o440}} in (
+        template["spec"]["volumes"])
+    assert c["args"][-2:] == ["--alert-receiver-port=8081", "--alert-token-file=/etc/kiln/alert-token/token"]
+    assert template["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true", "prometheus.io/port": "8081", "prometheus.io/path": "/metrics"}
+
+
+@needs_helm
+def test_receiver_with_an_existing_secret_and_its_own_port():
+    objs = render(scenario("monitoring"))
+    assert by_kind(objs, "Secret") == []
+    template, c = operator_container(objs)
+    assert {"name": "alert-token", "secret": {"secretName": "kiln-webhook-token", "defaultMode": 0o440}} in (
+        template["spec"]["volumes"])
+    assert "--alert-receiver-port=9095" in c["args"]
+    (svc,) = by_kind(objs, "Service")
+    assert svc["spec"]["ports"][0]["port"] == 9095
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "9095"
+
+
+@needs_helm
+def test_receiver_disabled():
+    objs = render(scenario("no-receiver"))
+    assert by_kind(objs, "Secret") == [] and by_kind(objs, "Service") == []
+    template, c = operator_container(objs)
+    assert "--alert-receiver-port=0" in c["args"] and not any(a.startswith("--alert-token-file") for a in c["args"])
+    assert [p["name"] for p in c["ports"]] == ["health"]
+    assert [v["name"] for v in template["spec"]["volumes"]] == ["tmp"]
+    assert "annotations" not in template["metadata"]
+
+
+@needs_helm
+def test_pod_annotations_of_ones_own_win_over_the_scrape_annotations():
+    objs = render(scenario("all-namespaces"), extra=("--set-string", "podAnnotations.prometheus\\.io/scrape=false"))
+    template, _ = operator_container(objs)
+    assert template["metadata"]["annotations"] == {
+        "example.com/owner": "ml-platform", "prometheus.io/scrape": "false", "prometheus.io/port": "8081",
+        "prometheus.io/path": "/metrics"}
+
+
+# ------------------------------------------------------------------ autoscaling rules
+
+# Issue 9's names: what the runtime and the operator export, DCGM exporter's GPU metrics, and
+# Prometheus' own ALERTS.
+RUNTIME_METRICS = {"kiln_engine_busy_seconds_total", "kiln_gpu_utilization_ratio", "kiln_model_info"}
+DCGM_METRICS = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"}
+OPERATOR_METRICS = {"kiln_autoscaling_target_ratio", "kiln_autoscaling_replicas", "kiln_autoscaling_min_replicas",
+                    "kiln_autoscaling_max_replicas", "kiln_scaling_decisions_total", "kiln_alerts_received_total"}
+OPERATOR_HISTOGRAMS = {"kiln_alert_receiver_duration_seconds"}
+ALERTS = ("KilnUtilizationHigh", "KilnUtilizationLow", "KilnUtilizationMissing")
+RECORDED = "kiln:utilization:ratio"
+SHORT_WINDOWS = ("autoscaling.rules.highFor=5s", "autoscaling.rules.lowFor=10s", "autoscaling.rules.missingFor=8s",
+                 "autoscaling.rules.rateWindow=4s", "autoscaling.rules.interval=1s")
+# Each promtool unit test file and the values its rules are rendered with.
+RULE_TESTS = {
+    "default_test.yaml": (),
+    "dcgm_gpu_util_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_DEV_GPU_UTIL",),
+    "dcgm_engine_active_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
+}
+RULE_VARIANTS = {"default": (), "short-windows": SHORT_WINDOWS, **{
+    name.removesuffix("_test.yaml"): sets for name, sets in RULE_TESTS.items() if sets}}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (not functions, labels, keywords or durations)."""
+    expr = re.sub(r'"(\\.|[^"\\])*"', "", expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set(re.findall(r"[A-Za-z_:][\w:]*(?!\s*[\w:(])", expr))
+    return names - {"and", "or", "unless", "bool", "offset", "group_left", "group_right", "Inf", "NaN"}
+
+
+def test_metric_names_reads_names_only():
+    assert metric_names('sum by (namespace, model, direction) (increase(kiln_scaling_decisions_total'
+                        '{namespace=~"$namespace", model=~"a|b"}[5m])) or on (model) kiln:utilization:ratio') == {
+        "kiln_scaling_decisions_total", "kiln:utilization:ratio"}
+    assert metric_names('histogram_quantile(0.99, sum by (le) (rate(x_bucket[5m]))) > bool 2') == {"x_bucket"}
+
+
+def rules_text(*sets: str) -> str:
+    """The chart's rules file, from its ConfigMap, rendered with `sets` (--set)."""
+    extra = ("--set", "autoscaling.rulesConfigMap.enabled=true", *(a for s in sets for a in ("--set", s)))
+    (cm,) = [o for o in by_kind(render(extra=extra), "ConfigMap") if RULES_KEY in o["data"]]
+    return cm["data"][RULES_KEY]
+
+
+def prometheus_rule(*sets: str) -> dict:
+    (rule,) = by_kind(render(extra=tuple(a for s in sets for a in ("--set", s)), api_versions=MONITORING_APIS),
+                      "PrometheusRule")
+    return rule
+
+
+@needs_helm
+def test_the_plain_rules_file_is_the_chart_rendered_with_default_values():
+    # One source: the template. `make rules` writes the file; this fails until it is rerun.
+    assert RULES_FILE.read_text() == rules_text(), "run `make rules`"
+    assert prometheus_rule()["spec"] == yaml.safe_load(RULES_FILE.read_text())
+    (cm,) = [o for o in by_kind(render(scenario("monitoring")), "ConfigMap") if RULES_KEY in o["data"]]
+    assert cm["metadata"]["namespace"] == "monitoring"
+
+
+def test_the_rules_are_the_contract():
+    (group,) = yaml.safe_load(RULES_FILE.read_text())["groups"]
+    records = [r["record"] for r in group["rules"] if "record" in r]
+    alerts = {r["alert"]: r for r in group["rules"] if "alert" in r}
+    assert records == [RECORDED] and tuple(alerts) == ALERTS
+    assert group["rules"][0]["record"] == RECORDED  # recorded before the alerts read it, in one evaluation
+    for name, rule in alerts.items():
+        assert rule["labels"] == {"kiln_autoscaling": "true"}, name
+        assert rule["annotations"]["value"] == "{{ $value }}", name
+        assert {"summary", "description"} <= set(rule["annotations"]), name
+        assert metric_names(rule["expr"]) == {RECORDED, "kiln_autoscaling_target_ratio"}, name
+    assert [alerts[a]["for"] for a in ALERTS] == ["1m", "2m", "2m"]
+    assert metric_names(group["rules"][0]["expr"]) == {"kiln_gpu_utilization_ratio", "kiln_engine_busy_seconds_total"}
+    assert "rate(kiln_engine_busy_seconds_total[1m])" in group["rules"][0]["expr"]
+    assert "(0.5 * max by (namespace, model) (kiln_autoscaling_target_ratio))" in alerts["KilnUtilizationLow"]["expr"]
+
+
+@needs_helm
+def test_rule_values_reach_the_rules():
+    (group,) = yaml.safe_load(rules_text(*SHORT_WINDOWS, "autoscaling.rules.lowFraction=0.25"))["groups"]
+    assert group["interval"] == "1s"
+    assert [r.get("for") for r in group["rules"]] == [None, "5s", "10s", "8s"]
+    assert "rate(kiln_engine_busy_seconds_total[4s])" in group["rules"][0]["expr"]
+    assert "(0.25 * max by" in group["rules"][2]["expr"]
+    for sets, names in [(RULE_TESTS["dcgm_gpu_util_test.yaml"], {"DCGM_FI_DEV_GPU_UTIL", "kiln_model_info"}),
+                        (RULE_TESTS["dcgm_engine_active_test.yaml"],
+                         {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "kiln_model_info"})]:
+        expr = yaml.safe_load(rules_text(*sets))["groups"][0]["rules"][0]["expr"]
+        assert metric_names(expr) == names | {"kiln_engine_busy_seconds_total"}
+        assert "on (namespace, pod) group_left (model)" in expr
+        assert ("DCGM_FI_DEV_GPU_UTIL / 100" in expr) == ("DCGM_FI_DEV_GPU_UTIL" in names)
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+@needs_promtool
+def test_promtool_checks_the_plain_rules_file():
+    out = promtool("check", "rules", str(RULES_FILE))
+    assert out.returncode == 0 and "SUCCESS: 4 rules found" in out.stdout, out.stdout + out.stderr
+
+
+@needs_helm
+@needs_promtool
+@pytest.mark.parametrize("variant", RULE_VARIANTS)
+def test_promtool_checks_the_prometheus_rule(tmp_path, variant):
+    rule = prometheus_rule(*RULE_VARIANTS[variant])
+    assert_valid_monitoring_object(rule)
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    out = promtool("check", "rules", str(path))
+    assert out.returncode == 0 and "SUCCESS: 4 rules found" in out.stdout, out.stdout + out.stderr
+
+
+def test_every_rules_unit_test_is_run():
+    assert sorted(p.name for p in (ROOT / "tests" / "chart" / "rules").glob("*.yaml")) == sorted(RULE_TESTS)
+
+
+@needs_helm
+@needs_promtool
+@pytest.mark.parametrize("test_file", RULE_TESTS)
+def test_promtool_rules_unit_tests(tmp_path, test_file):
+    # The test file names `kiln-autoscaling.rules.yaml` beside it: the shipped file, or the rules
+    # rendered with the values this variant is about.
+    sets = RULE_TESTS[test_file]
+    (tmp_path / RULES_KEY).write_text(rules_text(*sets) if sets else RULES_FILE.read_text())
+    shutil.copy(ROOT / "tests" / "chart" / "rules" / test_file, tmp_path / test_file)
+    out = promtool("test", "rules", test_file, cwd=tmp_path)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
+@needs_promtool
+def test_promtool_rules_unit_tests_can_fail(tmp_path):
+    # The same unit tests against rules that read busy time before the GPU: they must fail.
+    text = RULES_FILE.read_text()
+    gpu = "avg by (namespace, model) (kiln_gpu_utilization_ratio)"
+    busy = "avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[1m]))"
+    assert gpu in text and busy in text
+    (tmp_path / RULES_KEY).write_text(text.replace(gpu, "__GPU__").replace(busy, gpu).replace("__GPU__", busy))
+    shutil.copy(ROOT / "tests" / "chart" / "rules" / "default_test.yaml", tmp_path / "default_test.yaml")
+    out = promtool("test", "rules", "default_test.yaml", cwd=tmp_path)
+    assert out.returncode != 0 and 'model="bert"' in out.stderr, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ dashboards
+
+DASHBOARDS = sorted((CHART / "files" / "dashboards").glob("*.json"))
+
+
+def panel_exprs(dashboard: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_queries_read_only_known_metrics():
+    (group,) = yaml.safe_load(RULES_FILE.read_text())["groups"]
+    histograms = {f"{h}_{s}" for h in OPERATOR_HISTOGRAMS for s in ("bucket", "sum", "count")}
+    known = RUNTIME_METRICS | DCGM_METRICS | OPERATOR_METRICS | histograms | {RECORDED, "ALERTS"}
+    assert {r["record"] for r in group["rules"] if "record" in r} <= known
+    dashboard = json.loads((CHART / "files" / "dashboards" / "kiln-autoscaling.json").read_text())
+    assert dashboard["uid"] == "kiln-autoscaling"
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "namespace", "model"]
+    exprs = panel_exprs(dashboard)
+    read = set().union(*(metric_names(e) for _, e in exprs))
+    assert read <= known
+    # Utilization against target, replicas within bounds, decisions, the alerts.
+    assert {RECORDED, "kiln_autoscaling_target_ratio", "kiln_autoscaling_replicas", "kiln_autoscaling_min_replicas",
+            "kiln_autoscaling_max_replicas", "kiln_scaling_decisions_total", "ALERTS"} <= read
+    for title, expr in exprs:
+        if metric_names(expr) & ({RECORDED, "ALERTS"} | OPERATOR_METRICS) - {"kiln_alerts_received_total"}:
+            assert 'namespace=~"$namespace"' in expr and 'model=~"$model"' in expr, title
+    (alerts_expr,) = [e for _, e in exprs if "ALERTS" in metric_names(e)]
+    assert 'kiln_autoscaling="true"' in alerts_expr
+
+
+@needs_promtool
+def test_dashboard_queries_are_valid_promql(tmp_path):
+    # promtool parses them as recording rules (Grafana's $variables sit inside label matchers).
+    for path in DASHBOARDS:
+        rules = [{"record": f"dashboard:query:{i}", "expr": expr}
+                 for i, (_, expr) in enumerate(panel_exprs(json.loads(path.read_text())))]
+        f = tmp_path / f"{path.stem}.yaml"
+        f.write_text(yaml.safe_dump({"groups": [{"name": path.stem, "rules": rules}]}))
+        out = promtool("check", "rules", str(f))
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_helm
+def test_dashboards_are_config_maps_for_the_grafana_sidecar():
+    def dashboards(objs):
+        return [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].startswith("kiln-dashboard-")]
+
+    (cm,) = dashboards(render(scenario("default")))
+    assert cm["metadata"]["name"] == "kiln-dashboard-autoscaling" and cm["metadata"]["namespace"] == NAMESPACE
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert [json.loads(cm["data"][p.name]) for p in DASHBOARDS] == [json.loads(p.read_text()) for p in DASHBOARDS]
+    (cm,) = dashboards(render(scenario("monitoring")))
+    assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["grafana_dashboard"] == "kiln"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Kiln"}
+    assert dashboards(render(scenario("default"), extra=("--set", "monitoring.dashboards.enabled=false"))) == []

@@ -1,0 +1,71 @@
+{{/* The autoscaling rules as a Prometheus rules file: the one source of the PrometheusRule,
+the rules ConfigMap and files/kiln-autoscaling.rules.yaml (`make rules`; a test compares).
+Nothing in it depends on the release, so every install with default values gets that file. */}}
+{{- define "kiln.autoscalingRules" -}}
+{{- $r := .Values.autoscaling.rules -}}
+{{- $gpu := $r.gpuUtilizationMetric -}}
+# Kiln's autoscaling rules (a Prometheus rules file), rendered from the kiln chart's
+# templates/_autoscaling.tpl. The alerts go to Kiln's receiver (docs/operations.md).
+groups:
+  - name: kiln-autoscaling
+    {{- with $r.interval }}
+    interval: {{ . }}
+    {{- end }}
+    rules:
+      # A model's utilization (0..1) averaged over its pods: the GPU's where there is a GPU
+      # metric, else the fraction of engine capacity in use, which every backend reports.
+      - record: kiln:utilization:ratio
+        expr: |
+          {{- if eq $gpu "kiln_gpu_utilization_ratio" }}
+          avg by (namespace, model) (kiln_gpu_utilization_ratio)
+          {{- else }}
+          avg by (namespace, model) (
+            {{ $gpu }}{{ if eq $gpu "DCGM_FI_DEV_GPU_UTIL" }} / 100{{ end }}
+            * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info)
+          )
+          {{- end }}
+          or
+          avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[{{ $r.rateWindow }}]))
+      # The target exists only for models with autoscaling enabled, so the others never fire.
+      # `max by` keeps one target per model if the operator is scraped twice.
+      - alert: KilnUtilizationHigh
+        expr: |
+          kiln:utilization:ratio
+            > on (namespace, model) max by (namespace, model) (kiln_autoscaling_target_ratio)
+        for: {{ $r.highFor }}
+        labels:
+          kiln_autoscaling: "true"
+        annotations:
+          summary: {{ `'{{ $labels.namespace }}/{{ $labels.model }}: utilization {{ $value | humanizePercentage }} is above its target'` }}
+          description: {{ printf "'Utilization stayed above spec.autoscaling.targetGPUUtilization for %s; Kiln scales the model up within its bounds.'" $r.highFor }}
+          value: {{ `'{{ $value }}'` }}
+      - alert: KilnUtilizationLow
+        expr: |
+          kiln:utilization:ratio
+            < on (namespace, model) ({{ $r.lowFraction }} * max by (namespace, model) (kiln_autoscaling_target_ratio))
+        for: {{ $r.lowFor }}
+        labels:
+          kiln_autoscaling: "true"
+        annotations:
+          summary: {{ `'{{ $labels.namespace }}/{{ $labels.model }}: utilization {{ $value | humanizePercentage }} is well below its target'` }}
+          description: {{ printf "'Utilization stayed below %v x spec.autoscaling.targetGPUUtilization for %s; Kiln scales the model down after its stabilization window.'" $r.lowFraction $r.lowFor }}
+          value: {{ `'{{ $value }}'` }}
+      # No utilization for a model that autoscales (its pods are not scraped, or are gone):
+      # Kiln holds its size, so a monitoring gap never reads as zero load.
+      - alert: KilnUtilizationMissing
+        expr: |
+          max by (namespace, model) (kiln_autoscaling_target_ratio)
+            unless on (namespace, model) kiln:utilization:ratio
+        for: {{ $r.missingFor }}
+        labels:
+          kiln_autoscaling: "true"
+        annotations:
+          summary: {{ `'{{ $labels.namespace }}/{{ $labels.model }}: no utilization data'` }}
+          description: {{ printf "'No utilization for %s (the value is the target); Kiln holds the model at its current size.'" $r.missingFor }}
+          value: {{ `'{{ $value }}'` }}
+{{- end -}}
+
+{{/* The Secret with the receiver's bearer token (key `token`). */}}
+{{- define "kiln.alertTokenSecret" -}}
+{{- default (printf "%s-alert-token" (include "kiln.fullname" .)) .Values.autoscaling.receiver.existingSecret -}}
+{{- end -}}
