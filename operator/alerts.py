@@ -33,7 +33,6 @@ logger = logging.getLogger("kiln.operator.alerts")
 MAX_BODY_BYTES = 1 << 20
 MAX_ALERTS = 1000
 MAX_LABEL_BYTES = 1024
-CONFLICT_RETRIES = 3
 RECENT = 10_000  # alerts remembered as already applied (duplicates skip the API entirely)
 
 
@@ -176,34 +175,31 @@ class Receiver:
         return dict(tally)
 
     async def _apply(self, ns: str, model: str, incoming: Mapping[str, sig.Signal], group_key: str) -> dict[str, int]:
+        # One writer per model at a time: a read, the merge, then a patch of the record alone.
+        # Not conditional on the object's resourceVersion: kopf's own annotations change it
+        # all the time, and only this lock's holder writes the record (the chart runs one
+        # operator; with several, a simultaneous delivery to two of them is resolved by the
+        # next repeat from Alertmanager).
         async with self._locks.setdefault((ns, model), asyncio.Lock()):
-            for _ in range(CONFLICT_RETRIES):
-                obj = await self.kube.get(KIND, ns, model)
-                if obj is None:
-                    logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored",
-                                   group_key, ns, model)
-                    return {"unknown_model": len(incoming)}
-                meta = obj["metadata"]
-                record = sig.parse(meta.get("annotations"))
-                changed = 0
-                for name, signal in incoming.items():
-                    merged = sig.merge(record.get(name), signal)
-                    if merged is not None:
-                        record[name], changed = merged, changed + 1
-                if not changed:
-                    return {"duplicate": len(incoming)}
-                patch = {"metadata": {"resourceVersion": meta["resourceVersion"],
-                                      "annotations": {sig.ANN_SIGNALS: sig.dump(record)}}}
+            obj = await self.kube.get(KIND, ns, model)
+            if obj is None:
+                logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored",
+                               group_key, ns, model)
+                return {"unknown_model": len(incoming)}
+            record = sig.parse(obj["metadata"].get("annotations"))
+            changed = 0
+            for name, signal in incoming.items():
+                merged = sig.merge(record.get(name), signal)
+                if merged is not None:
+                    record[name], changed = merged, changed + 1
+            if changed:
                 try:
-                    await self.kube.patch(KIND, ns, model, patch)
+                    await self.kube.patch(KIND, ns, model, {"metadata": {"annotations": {sig.ANN_SIGNALS: sig.dump(record)}}})
                 except ApiError as e:
-                    if e.status == 409:
-                        continue  # changed meanwhile: merge again into what is there now
                     if e.status == 404:
                         return {"unknown_model": len(incoming)}
                     raise
-                return {k: n for k, n in (("accepted", changed), ("duplicate", len(incoming) - changed)) if n}
-            raise web.HTTPServiceUnavailable(text="the model kept changing; Alertmanager will retry")
+            return {k: n for k, n in (("accepted", changed), ("duplicate", len(incoming) - changed)) if n}
 
     def _is_recent(self, key: tuple[str, ...], now: Any) -> bool:
         at = self._recent.get(key)

@@ -28,6 +28,7 @@ from kiln.runtime.contract import API_VERSION, KIND, PLURAL
 logger = logging.getLogger("kiln.operator.kube")
 
 MERGE_PATCH = "application/merge-patch+json"
+POOL_SIZE = 32  # connections to the API server, and threads that make the calls
 
 # kind -> (apiVersion, plural, namespaced) for everything the operator writes or reads.
 KINDS: dict[str, tuple[str, str, bool]] = {
@@ -83,7 +84,7 @@ def load_client(kubeconfig: str | None = None) -> Any:
     import kubernetes
 
     configuration = load_configuration(kubeconfig)
-    configuration.connection_pool_maxsize = 32
+    configuration.connection_pool_maxsize = POOL_SIZE
     return kubernetes.client.ApiClient(configuration)
 
 

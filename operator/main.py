@@ -119,12 +119,18 @@ async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, 
                 verbose: bool = False, ready_flag: Any = None, stop_flag: Any = None,
                 kube: Any = None, alert_port: int = 0, alert_token: str | None = None) -> None:
     """Run the operator in the current event loop until `stop_flag` (tests use this directly)."""
+    import asyncio
+    import concurrent.futures
     import fnmatch
 
     import kopf
 
     from kiln.operator import alerts, handlers, kube as kubemod, reconcile
 
+    # API calls run in threads (kube.py); as many as the client's connection pool, so a burst
+    # of alerts and reconciles is not queued behind the default executor's few threads.
+    asyncio.get_running_loop().set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(kubemod.POOL_SIZE, thread_name_prefix="kiln-api"))
     if kube is None:
         kube = kubemod.Kube(kubemod.load_client(kubeconfig), component=config.operator_name)
     ctx = reconcile.Context(config=config, kube=kube)
