@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from kiln.operator import builders
-from localcluster import RELEASE, RELEASE_NAMESPACE
+from localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
 from localcluster.client import dump, pods, ready, wait_for
 from localcluster.controlplane import A100, REPO
 
@@ -269,6 +270,164 @@ def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, n
              and not api.items(f"/api/v1/namespaces/{namespace}/services")
              and not runtime_pods(api, namespace)
              and not jobs(api, namespace), 120, "the garbage collector to remove the model's children")
+
+
+# ------------------------------------------------------------------------ autoscaling from real alerts
+
+# The chart's rules with windows short enough for a test (the shipped ones are minutes).
+TEST_WINDOWS = {"highFor": "3s", "lowFor": "3s", "missingFor": "10s", "rateWindow": "4s"}
+
+
+def chart_rules(path: Path) -> Path:
+    import subprocess
+
+    sets = [f"autoscaling.rules.{k}={v}" for k, v in TEST_WINDOWS.items()] + ["autoscaling.rulesConfigMap.enabled=true"]
+    rendered = subprocess.run([str(HELM), "template", "kiln", str(REPO / "charts" / "kiln"),
+                               "--show-only", "templates/autoscaling-rules.yaml",
+                               *[a for kv in sets for a in ("--set", kv)]],
+                              check=True, stdout=subprocess.PIPE, text=True, timeout=60).stdout
+    configmap = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ConfigMap")
+    path.write_text(configmap["data"]["kiln-autoscaling.rules.yaml"])
+    return path
+
+
+class Load:
+    """Clients a user's traffic would be: `threads` loops of 64-row requests over the Ready
+    runtime pods (round robin, as a Service would spread them)."""
+
+    def __init__(self, api, namespace: str, threads: int = 8) -> None:
+        import threading
+
+        self.api, self.namespace, self.stop_flag = api, namespace, threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        self.errors = 0
+
+    def _run(self) -> None:
+        rows = [[5.1, 3.5, 1.4, 0.2]] * 64
+        i = 0
+        while not self.stop_flag.is_set():
+            ready_pods = [p for p in runtime_pods(self.api, self.namespace) if ready(p)]
+            for pod in ready_pods[i % max(len(ready_pods), 1):][:1]:
+                try:
+                    for _ in range(20):
+                        infer(pod, rows)
+                except OSError:
+                    self.errors += 1
+            i += 1
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def busy_fraction(pod: dict, seconds: float = 3.0) -> float:
+    """The runtime's own signal, read straight from the pod over `seconds`."""
+    import re
+    import time
+
+    def busy() -> float:
+        text = urllib.request.urlopen(f"http://{pod['status']['podIP']}:8080/metrics", timeout=5).read().decode()
+        return float(re.search(r"^kiln_engine_busy_seconds_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+    before = busy()
+    time.sleep(seconds)
+    return (busy() - before) / seconds
+
+
+def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_down(
+        cluster, api, kubectl, namespace, transcript, tmp_path):
+    """The whole loop, every part real: `kiln serve` pods under load -> Prometheus (scrape, the
+    chart's rules) -> Alertmanager (the documented route, the chart's token) -> the operator's
+    receiver -> the scaling step -> spec.runtime.replicas -> the Deployment controller -> a new
+    pod started and Ready; no data holds; idle scales back down after its window."""
+    import base64
+    import time
+
+    import monitoring
+
+    if monitoring.unavailable():
+        pytest.skip(monitoring.unavailable())
+    transcript.section("Autoscaling from real Prometheus and Alertmanager alerts")
+    claim(api, namespace, "kiln-engine-cache")
+    claim(api, namespace, "models", "ReadOnlyMany")
+    models = claim_directory(cluster, api, namespace, "models")
+    model = iris(namespace, "1", sha256(model_version(models, "1")))
+    model["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetGPUUtilization": 20,
+                                    "maxStep": 1, "scaleUpCooldownSeconds": 0, "scaleDownCooldownSeconds": 0,
+                                    "scaleDownStabilizationSeconds": 4}
+    kubectl("apply", "-f", "-", input=json.dumps(model))
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180, "phase Ready")
+
+    op = wait_for(lambda: operator_pod(api), 60, "the operator pod")
+    port = INSTALL_VALUES["autoscaling"]["receiver"]["port"]
+    receiver = f"http://{op['status']['podIP']}:{port}/alerts"
+    secret = api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/secrets/{RELEASE}-alert-token")
+    token_file = tmp_path / "token"
+    token_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
+    cp = cluster.control_plane
+    discovery = monitoring.PodDiscovery(cp.server, [namespace], ca_file=str(cp.ca),
+                                        cert_file=str(cp.root / "pki" / "admin.crt"),
+                                        key_file=str(cp.root / "pki" / "admin.key")).start()
+    am = monitoring.Alertmanager(tmp_path / "am", monitoring.kiln_alertmanager_config(
+        receiver, str(token_file), repeat_interval="2s"))
+    prom = monitoring.Prometheus(tmp_path / "prom", rule_files=[chart_rules(tmp_path / "kiln.rules.yaml")],
+                                 alertmanagers=[am.url], scrape_configs=[
+                                     monitoring.pod_http_sd_scrape_config(discovery.url),
+                                     monitoring.operator_scrape_config(f"{op['status']['podIP']}:{port}",
+                                                                       labels={"namespace": RELEASE_NAMESPACE})])
+    history = lambda: (api.status(namespace, "iris").get("scaling") or {}).get("history") or []  # noqa: E731
+    spec_replicas = lambda: api.model(namespace, "iris")["spec"]["runtime"]["replicas"]  # noqa: E731
+    try:
+        am.start()
+        prom.start()
+        prom.wait_for(f'kiln:utilization:ratio{{namespace="{namespace}",model="iris"}}', timeout=60)
+        prom.wait_for(f'kiln_autoscaling_target_ratio{{namespace="{namespace}",model="iris"}} == 0.2', timeout=30)
+
+        # 1. No data: Prometheus down while real load runs. Nothing may move.
+        prom.stop()
+        with Load(api, namespace) as load:
+            [pod] = [p for p in runtime_pods(api, namespace) if ready(p)]
+            busy = busy_fraction(pod)
+            assert busy > 0.2, f"the load keeps the engine {busy:.0%} busy, above the 20% target"
+            time.sleep(12)  # > highFor + group_wait + a decision, many times over
+            assert spec_replicas() == 1 and "UtilizationHigh" not in [h["reason"] for h in history()]
+
+            # 2. Prometheus back: the same load scales up through the whole chain.
+            t0 = time.monotonic()
+            prom.start()
+            wait_for(lambda: spec_replicas() == 2, 90, "spec.runtime.replicas 1 -> 2 from KilnUtilizationHigh")
+            decided = time.monotonic() - t0
+            entry = wait_for(lambda: [h for h in history() if h["reason"] == "UtilizationHigh"], 10, "the decision")[0]
+            assert (entry["from"], entry["to"], entry["source"]) == (1, 2, "KilnUtilizationHigh")
+            wait_for(lambda: len([p for p in runtime_pods(api, namespace) if ready(p)]) == 2, 120,
+                     "the second pod started by the real Deployment controller, Ready")
+            print(f"\nPrometheus start -> replicas patched {decided:.1f} s, -> new pod Ready "
+                  f"{time.monotonic() - t0:.1f} s; load errors {load.errors}")
+            kubectl("get", "inferencemodel", "iris", "-n", namespace, show=True)
+
+        # 3. Idle: KilnUtilizationLow, then the stabilization window, then one step down.
+        wait_for(lambda: spec_replicas() == 1, 90, "spec.runtime.replicas 2 -> 1 from KilnUtilizationLow")
+        wait_for(lambda: history()[-1]["reason"] == "UtilizationLow", 10, "the decision in status")
+        assert "Stabilizing" in [h["reason"] for h in history()]
+        wait_for(lambda: len(runtime_pods(api, namespace)) == 1, 60, "the extra pod gone")
+        kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
+                "-o", "custom-columns=REASON:.reason,MESSAGE:.message", show=True)
+        kubectl("get", "inferencemodel", "iris", "-n", namespace, "-o", "jsonpath={.status.scaling}", show=True)
+    finally:
+        prom.stop()
+        am.stop()
+        discovery.stop()
+    # The real receiver refuses an unauthenticated payload.
+    request = urllib.request.Request(receiver, data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 401
 
 
 # ------------------------------------------------------------------------ upgrade and uninstall

@@ -20,9 +20,10 @@ from .kubelet import Kubelet
 
 RELEASE, RELEASE_NAMESPACE = "kiln", "kiln-system"
 HELM = REPO / ".tools" / "helm"
-# The operator's health port: every pod shares the host's network here, and runtime pods
-# take 8080 on their own addresses, so the operator's wildcard listener goes elsewhere.
-INSTALL_VALUES = {"operator": {"healthPort": 18080}}
+# The operator's health and alert receiver ports: every pod shares the host's network here,
+# and runtime pods take 8080 on their own addresses, so the operator's wildcard listeners go
+# elsewhere.
+INSTALL_VALUES = {"operator": {"healthPort": 18080}, "autoscaling": {"receiver": {"port": 18081}}}
 
 
 class LocalCluster:
