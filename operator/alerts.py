@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 from aiohttp import web
 
 from kiln.operator import signals as sig
-from kiln.operator.kube import ApiError, Kube
+from kiln.operator.kube import POOL_SIZE, ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
 from kiln.runtime.contract import KIND
 
@@ -87,6 +90,12 @@ def _value(annotations: Mapping[str, str]) -> float | None:
     return value if value == value and abs(value) != float("inf") else None  # NaN, Inf: unknown
 
 
+@dataclasses.dataclass
+class _Batch:
+    signals: dict[str, sig.Signal]
+    done: asyncio.Future  # the alert names that changed the record, or None (no such model)
+
+
 class Receiver:
     """The HTTP side: one instance per operator process."""
 
@@ -96,7 +105,8 @@ class Receiver:
             raise ValueError("the alert receiver needs a bearer token (--alert-token-file)")
         self.kube, self.metrics, self.clock, self.watched = kube, metrics, clock, namespaces
         self._expected = f"Bearer {token}".encode()
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._batches: dict[tuple[str, str], _Batch] = {}  # per model: the alerts for its next write
+        self._writers: dict[tuple[str, str], asyncio.Task] = {}  # per model: the task writing them
         # (namespace, model, alertname, fingerprint, startsAt, status) -> when it was applied
         self._recent: collections.OrderedDict[tuple[str, ...], float] = collections.OrderedDict()
 
@@ -175,31 +185,59 @@ class Receiver:
         return dict(tally)
 
     async def _apply(self, ns: str, model: str, incoming: Mapping[str, sig.Signal], group_key: str) -> dict[str, int]:
-        # One writer per model at a time: a read, the merge, then a patch of the record alone.
-        # Not conditional on the object's resourceVersion: kopf's own annotations change it
-        # all the time, and only this lock's holder writes the record (the chart runs one
-        # operator; with several, a simultaneous delivery to two of them is resolved by the
-        # next repeat from Alertmanager).
-        async with self._locks.setdefault((ns, model), asyncio.Lock()):
-            obj = await self.kube.get(KIND, ns, model)
-            if obj is None:
-                logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored",
-                               group_key, ns, model)
-                return {"unknown_model": len(incoming)}
-            record = sig.parse(obj["metadata"].get("annotations"))
-            changed = 0
-            for name, signal in incoming.items():
-                merged = sig.merge(record.get(name), signal)
-                if merged is not None:
-                    record[name], changed = merged, changed + 1
-            if changed:
+        """Join the model's next write (group commit: one write in flight per model, and what
+        arrives meanwhile goes into the one after it, so a burst costs a few writes, not one each)."""
+        key = (ns, model)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = _Batch({}, asyncio.get_running_loop().create_future())
+            if key not in self._writers:
+                self._writers[key] = asyncio.create_task(self._write_batches(ns, model, group_key))
+        for name, signal in incoming.items():
+            batch.signals[name] = sig.merge(batch.signals.get(name), signal) or batch.signals[name]
+        changed = await asyncio.shield(batch.done)
+        if changed is None:
+            return {"unknown_model": len(incoming)}
+        accepted = sum(1 for name in incoming if name in changed)
+        return {k: n for k, n in (("accepted", accepted), ("duplicate", len(incoming) - accepted)) if n}
+
+    async def _write_batches(self, ns: str, model: str, group_key: str) -> None:
+        key = (ns, model)
+        try:
+            while key in self._batches:
+                batch = self._batches.pop(key)
                 try:
-                    await self.kube.patch(KIND, ns, model, {"metadata": {"annotations": {sig.ANN_SIGNALS: sig.dump(record)}}})
-                except ApiError as e:
-                    if e.status == 404:
-                        return {"unknown_model": len(incoming)}
-                    raise
-            return {k: n for k, n in (("accepted", changed), ("duplicate", len(incoming) - changed)) if n}
+                    batch.done.set_result(await self._write(ns, model, batch.signals, group_key))
+                except Exception as e:  # every request in the batch answers 500; Alertmanager retries
+                    batch.done.set_exception(e)
+        finally:
+            del self._writers[key]
+
+    async def _write(self, ns: str, model: str, incoming: Mapping[str, sig.Signal], group_key: str) -> set[str] | None:
+        """Read the model's record, merge, patch the record alone; the alerts that changed it
+        (None: no such model). Not conditional on the resourceVersion (kopf's own annotations
+        change it all the time): only this writer writes the record in this process, and the
+        chart runs one operator (with several, a simultaneous delivery to two of them is set
+        right by Alertmanager's next repeat)."""
+        obj = await self.kube.get(KIND, ns, model)
+        if obj is None:
+            logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored", group_key, ns, model)
+            return None
+        record = sig.parse(obj["metadata"].get("annotations"))
+        changed = set()
+        for name, signal in incoming.items():
+            merged = sig.merge(record.get(name), signal)
+            if merged is not None:
+                record[name] = merged
+                changed.add(name)
+        if changed:
+            try:
+                await self.kube.patch(KIND, ns, model, {"metadata": {"annotations": {sig.ANN_SIGNALS: sig.dump(record)}}})
+            except ApiError as e:
+                if e.status == 404:
+                    return None
+                raise
+        return changed
 
     def _is_recent(self, key: tuple[str, ...], now: Any) -> bool:
         at = self._recent.get(key)
@@ -224,10 +262,31 @@ def read_token(path: str) -> str:
     return token
 
 
-async def serve(receiver: Receiver, port: int, host: str = "0.0.0.0") -> web.AppRunner:
-    """Start the receiver's HTTP server; the caller cleans the runner up."""
-    runner = web.AppRunner(receiver.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    logger.info("alert receiver listening on %s:%d (POST /alerts, GET /metrics)", host, port)
-    return runner
+class Server:
+    """The receiver on its own thread and event loop: its answers do not wait behind kopf's
+    handlers (a burst of alerts wakes as many reconciles), only on its own API calls."""
+
+    def __init__(self, receiver: Receiver, port: int, host: str = "0.0.0.0") -> None:
+        self.receiver, self.port, self.host = receiver, port, host
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kiln-alerts", daemon=True)
+
+    def start(self, timeout: float = 30) -> "Server":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout)
+        logger.info("alert receiver listening on %s:%d (POST /alerts, GET /metrics)", self.host, self.port)
+        return self
+
+    async def _start(self) -> None:
+        # API calls run in threads (kube.py): as many as the client's connection pool.
+        self._loop.set_default_executor(ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="kiln-alerts-api"))
+        self._runner = web.AppRunner(self.receiver.app(), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+
+    def stop(self, timeout: float = 10) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)

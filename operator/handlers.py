@@ -200,6 +200,20 @@ async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, 
         logger.debug(f"resync: {e}")
 
 
+async def on_scaling_signal(uid: str, body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
+    """The alert receiver wrote a model's signal record: reconcile it now. An event handler,
+    not an update handler: kopf keeps no diff-base for it, so a signal costs no second write."""
+    text = ((body.get("metadata") or {}).get("annotations") or {}).get(sig.ANN_SIGNALS)
+    if memo.ctx.signals_seen.get(uid) == text:
+        return  # another change of the model (its status, kopf's annotations)
+    memo.ctx.signals_seen[uid] = text
+    _seen(memo, kw)
+    try:
+        await reconcile.reconcile(memo.ctx, dict(body), views(kw))
+    except (kopf.TemporaryError, kopf.PermanentError) as e:
+        logger.debug(f"reconcile after a scaling signal: {e}")
+
+
 async def on_model_deleted(namespace: str, name: str, uid: str, memo: Any, **_: Any) -> None:
     memo.ctx.forget(uid)  # the owned objects go by ownerReferences (the garbage collector)
     memo.ctx.metrics.forget(namespace, name)
@@ -264,8 +278,8 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
     kopf.on.create(*MODELS, id="reconcile", registry=registry)(on_model)
     kopf.on.update(*MODELS, id="reconcile", field="spec", registry=registry)(on_model)
     kopf.on.resume(*MODELS, id="reconcile", registry=registry)(on_model)
-    kopf.on.update(*MODELS, id="scaling-signal", field=("metadata", "annotations", sig.ANN_SIGNALS),
-                   registry=registry)(on_model)
+    kopf.on.event(*MODELS, id="scaling-signal", annotations={sig.ANN_SIGNALS: kopf.PRESENT},
+                  registry=registry)(on_scaling_signal)
     kopf.on.delete(*MODELS, id="forget", optional=True, registry=registry)(on_model_deleted)
     kopf.timer(*MODELS, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
                registry=registry)(on_resync)

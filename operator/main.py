@@ -128,17 +128,18 @@ async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, 
     from kiln.operator import alerts, handlers, kube as kubemod, reconcile
 
     # API calls run in threads (kube.py); as many as the client's connection pool, so a burst
-    # of alerts and reconciles is not queued behind the default executor's few threads.
+    # of reconciles is not queued behind the default executor's few threads.
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(kubemod.POOL_SIZE, thread_name_prefix="kiln-api"))
     if kube is None:
         kube = kubemod.Kube(kubemod.load_client(kubeconfig), component=config.operator_name)
     ctx = reconcile.Context(config=config, kube=kube)
-    runner = None
+    receiver = None
     if alert_port:
         watched = (lambda ns: any(fnmatch.fnmatchcase(ns, g) for g in namespaces)) if namespaces else (lambda ns: True)
-        receiver = alerts.Receiver(kube, alert_token or "", ctx.metrics, ctx.clock, watched)
-        runner = await alerts.serve(receiver, alert_port)
+        # Its own client counts (kube.calls is this loop's), the same connection pool.
+        receiver = alerts.Server(alerts.Receiver(kubemod.Kube(kube.client, kube.component), alert_token or "",
+                                                 ctx.metrics, ctx.clock, watched), alert_port).start()
     registry = handlers.register(kopf.OperatorRegistry(), config.resync_seconds)
     # An explicit registry has no implicit login: kopf gets the credentials the operator's
     # client uses (in-cluster service account, else the kubeconfig).
@@ -160,8 +161,8 @@ async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, 
             stop_flag=stop_flag,
         )
     finally:
-        if runner is not None:
-            await runner.cleanup()
+        if receiver is not None:
+            receiver.stop()
 
 
 def run(args: argparse.Namespace) -> int:

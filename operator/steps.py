@@ -54,6 +54,7 @@ class Context:
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     results: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
     last_status: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    signals_seen: dict[str, str] = dataclasses.field(default_factory=dict)  # uid -> the signal record last acted on
     replaced_jobs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # -> uid of the deleted Job
     # (namespace, Deployment) -> the applied hash whose drift a patch could not undo (someone
     # keeps changing it back, e.g. a mutating webhook): not fought in a loop until the hash changes.
@@ -86,6 +87,7 @@ class Context:
         self.locks.pop(uid, None)
         self.last_status.pop(uid, None)
         self.plans.pop(uid, None)
+        self.signals_seen.pop(uid, None)
 
 
 @dataclasses.dataclass
