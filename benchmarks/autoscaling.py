@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import ssl
 import subprocess
 import sys
@@ -94,44 +93,18 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
 
     import aiohttp
 
-    import localcluster
-    from benchmarks.operator_scale_real import FakeKubelet
-    from localcluster.client import Api, wait_for
-    from localcluster.controlplane import ControlPlane, binaries, node
-    from kiln.runtime import spec as specmod
+    from benchmarks.operator_scale_real import FakeKubelet, bare_cluster, prepare
+    from localcluster.client import wait_for
+    from monitoring.process import free_port
 
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-autoscaling-"))
-    cp = ControlPlane(root, binaries())
+    cp = bare_cluster(root)
     proc = kubelet = None
     try:
-        big = {"cpu": "100000", "memory": "100Ti", "pods": 10000}
-        cp.start([node("builder-0", labels={"kiln.dev/role": "builder"},
-                       taints=[{"key": "kiln.dev/role", "value": "builder", "effect": "NoSchedule"}], **big),
-                  node("cpu-0", **big)])
-        api = Api(cp.admin_kubeconfig)
-        api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", specmod.load_crd())
-        wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (api.get(
-            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev") or {})
-            .get("status", {}).get("conditions") or ()), 60, "the CRD established")
-        cluster = localcluster.LocalCluster(root)
-        cluster.control_plane = cp
-        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": "kiln-system"}})
-        rendered = subprocess.run([str(localcluster.HELM), "template", "kiln", str(REPO / "charts" / "kiln"),
-                                   "--namespace", "kiln-system", "--set", "cache.pvc.create=false"],
-                                  check=True, stdout=subprocess.PIPE, text=True).stdout
-        rbac = "\n---\n".join(doc for doc in rendered.split("\n---") if re.search(
-            r"^kind: (ServiceAccount|ClusterRole|ClusterRoleBinding)$", doc, re.M))
-        cp.kubectl("apply", "-f", "-", input=rbac)
-        kubeconfig = cluster.service_account_kubeconfig("kiln-system", "kiln", root / "operator.kubeconfig")
         ns = "bench"
-        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        from localcluster.kubelet import Kubelet
-        Kubelet(cp.admin_kubeconfig, root, cp.api_port).provision(api.request(
-            "POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
-                "metadata": {"name": "kiln-engine-cache"},
-                "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+        api, kubeconfig = prepare(cp, root, [ns])
         (root / "token").write_text(TOKEN)
-        port = 18581
+        port = free_port()
         log = open(root / "operator.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "operator", "--standalone", "--kubeconfig",
                                  str(kubeconfig), "--liveness", "", "--alert-receiver-port", str(port),

@@ -108,48 +108,64 @@ def _requests_total(cp) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^apiserver_request_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def one_size(n: int, idle_window: float) -> dict[str, Any]:
+def bare_cluster(root: Path) -> Any:
+    """A control plane with a builder node and a CPU node (big enough for thousands of pods)."""
+    from localcluster.controlplane import ControlPlane, binaries, node
+
+    big = {"cpu": "100000", "memory": "100Ti", "pods": 10000}
+    cp = ControlPlane(root, binaries())
+    try:
+        cp.start([node("builder-0", labels={"kiln.dev/role": "builder"},
+                       taints=[{"key": "kiln.dev/role", "value": "builder", "effect": "NoSchedule"}], **big),
+                  node("cpu-0", **big)])
+    except BaseException:
+        cp.stop()
+        raise
+    return cp
+
+
+def prepare(cp: Any, root: Path, namespaces: list[str]) -> tuple[Any, Path]:
+    """The CRD, the operator's identity (the chart's ServiceAccount and RBAC, rendered by
+    helm) and namespaces with a cache claim: (the admin's Api, the operator's kubeconfig)."""
     import localcluster
     from localcluster.client import Api, wait_for
-    from localcluster.controlplane import ControlPlane, binaries, node
     from localcluster.kubelet import Kubelet
     from kiln.runtime import spec as specmod
 
+    api = Api(cp.admin_kubeconfig)
+    api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", specmod.load_crd())
+    wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (api.get(
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev") or {})
+        .get("status", {}).get("conditions") or ()), 60, "the CRD established")
+    cluster = localcluster.LocalCluster(root)
+    cluster.control_plane = cp
+    api.request("POST", "/api/v1/namespaces", {"metadata": {"name": "kiln-system"}})
+    rendered = subprocess.run([str(localcluster.HELM), "template", "kiln", str(REPO / "charts" / "kiln"),
+                               "--namespace", "kiln-system", "--set", "cache.pvc.create=false"],
+                              check=True, stdout=subprocess.PIPE, text=True).stdout
+    rbac = "\n---\n".join(doc for doc in rendered.split("\n---") if re.search(
+        r"^kind: (ServiceAccount|ClusterRole|ClusterRoleBinding)$", doc, re.M))
+    cp.kubectl("apply", "-f", "-", input=rbac)
+    kubeconfig = cluster.service_account_kubeconfig("kiln-system", "kiln", root / "operator.kubeconfig")
+    storage = Kubelet(cp.admin_kubeconfig, root, cp.api_port)  # only its volume provisioner
+    for ns in namespaces:
+        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
+        storage.provision(api.request("POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
+            "metadata": {"name": "kiln-engine-cache"},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+    return api, kubeconfig
+
+
+def one_size(n: int, idle_window: float) -> dict[str, Any]:
+    from localcluster.client import wait_for
+
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-real-"))
-    big = {"cpu": "100000", "memory": "100Ti", "pods": 10000}
-    nodes = [node("builder-0", labels={"kiln.dev/role": "builder"},
-                  taints=[{"key": "kiln.dev/role", "value": "builder", "effect": "NoSchedule"}], **big),
-             node("cpu-0", **big)]
-    cp = ControlPlane(root, binaries())
+    cp = bare_cluster(root)
     proc = None
     kubelet = None
     try:
-        cp.start(nodes)
-        api = Api(cp.admin_kubeconfig)
-        crd = specmod.load_crd()
-        api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in (api.get(
-            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev") or {})
-            .get("status", {}).get("conditions") or ()), 60, "the CRD established")
-        # The operator's identity: the chart's ServiceAccount and RBAC, rendered by helm.
-        cluster = localcluster.LocalCluster(root)
-        cluster.control_plane = cp
-        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": "kiln-system"}})
-        rendered = subprocess.run([str(localcluster.HELM), "template", "kiln", str(REPO / "charts" / "kiln"),
-                                   "--namespace", "kiln-system", "--set", "cache.pvc.create=false"],
-                                  check=True, stdout=subprocess.PIPE, text=True).stdout
-        rbac = "\n---\n".join(doc for doc in rendered.split("\n---") if re.search(
-            r"^kind: (ServiceAccount|ClusterRole|ClusterRoleBinding)$", doc, re.M))
-        cp.kubectl("apply", "-f", "-", input=rbac)
-        kubeconfig = cluster.service_account_kubeconfig("kiln-system", "kiln", root / "operator.kubeconfig")
-
         namespaces = [f"bench-{i}" for i in range(10)]
-        storage = Kubelet(cp.admin_kubeconfig, root, cp.api_port)  # only its volume provisioner
-        for ns in namespaces:
-            api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-            storage.provision(api.request("POST", f"/api/v1/namespaces/{ns}/persistentvolumeclaims", {
-                "metadata": {"name": "kiln-engine-cache"},
-                "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+        api, kubeconfig = prepare(cp, root, namespaces)
         log = open(root / "operator.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "operator", "--standalone", "--kubeconfig",
                                  str(kubeconfig), "--liveness", ""], stdout=log, stderr=subprocess.STDOUT,

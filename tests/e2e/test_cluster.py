@@ -429,6 +429,21 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
         urllib.request.urlopen(request, timeout=5)
     assert refused.value.code == 401
 
+    # An HPA instead of Kiln's autoscaler: the real HPA controller drives the scale subresource
+    # (with no metrics API here it can only enforce its minReplicas, which is enough to show it).
+    kubectl("patch", "inferencemodel", "iris", "-n", namespace, "--type=merge",
+            "-p", '{"spec": {"autoscaling": {"enabled": false}}}')
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "iris", "namespace": namespace},
+        "spec": {"scaleTargetRef": {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel", "name": "iris"},
+                 "minReplicas": 2, "maxReplicas": 3,
+                 "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {
+                     "type": "Utilization", "averageUtilization": 70}}}]}}))
+    wait_for(lambda: spec_replicas() == 2, 60, "the HPA controller raising spec.runtime.replicas to its minimum")
+    wait_for(lambda: len([p for p in runtime_pods(api, namespace) if ready(p)]) == 2, 120, "2 pods Ready")
+    kubectl("get", "hpa", "iris", "-n", namespace, show=True)
+
 
 # ------------------------------------------------------------------------ upgrade and uninstall
 
