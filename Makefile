@@ -87,7 +87,7 @@ bench-tools:
 	@command -v wrk >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
 
-bench: install bench-tools
+bench: install tools controlplane monitoring-tools bench-tools
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:

@@ -36,6 +36,7 @@ logger = logging.getLogger("kiln.operator.alerts")
 MAX_BODY_BYTES = 1 << 20
 MAX_ALERTS = 1000
 MAX_LABEL_BYTES = 1024
+READ_SECONDS = 10.0  # a client that does not finish sending its body in this long gets 408
 RECENT = 10_000  # alerts remembered as already applied (duplicates skip the API entirely)
 
 
@@ -138,10 +139,13 @@ class Receiver:
             return web.json_response({"error": "a valid bearer token is required"}, status=401,
                                      headers={"WWW-Authenticate": 'Bearer realm="kiln-alerts"'})
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), READ_SECONDS)
         except web.HTTPRequestEntityTooLarge:
             self.metrics.alerts_received.labels("too_large").inc()
             return web.json_response({"error": f"the payload is over {MAX_BODY_BYTES} bytes"}, status=413)
+        except asyncio.TimeoutError:
+            self.metrics.alerts_received.labels("invalid").inc()
+            return web.json_response({"error": f"the body did not arrive within {READ_SECONDS:.0f} s"}, status=408)
         try:
             group_key, alerts = parse_payload(body)
         except Invalid as e:

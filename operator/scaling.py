@@ -99,23 +99,23 @@ def decide(policy: Policy, current: int, ready: int, signals: Mapping[str, sig.S
     seen = "" if signal.value is None else f"utilization {signal.value:.2f}, target {policy.target:.2f}"
     if name == sig.HIGH:
         if current >= policy.max_replicas:
-            return Decision(current, "AtMaxReplicas", name, f"{seen}; at maxReplicas {policy.max_replicas}")
+            return Decision(current, "AtMaxReplicas", name, _says(seen, f"at maxReplicas {policy.max_replicas}"))
         if ready < current:
-            return Decision(current, "WaitingForReplicas", name, f"{seen}; {ready}/{current} replica(s) ready")
+            return Decision(current, "WaitingForReplicas", name, _says(seen, f"{ready}/{current} replica(s) ready"))
         if since_change < policy.up_cooldown:
-            return Decision(current, "CooldownActive", name, f"{seen}; scale-up cooldown",
+            return Decision(current, "CooldownActive", name, _says(seen, "scale-up cooldown"),
                             look_again=policy.up_cooldown - since_change)
         want = current + 1 if signal.value is None else math.ceil(current * signal.value / policy.target)
         to = min(policy.max_replicas, current + policy.max_step, max(current + 1, want))
         return Decision(to, "UtilizationHigh", name, seen)
     if current <= policy.min_replicas:
-        return Decision(current, "AtMinReplicas", name, f"{seen}; at minReplicas {policy.min_replicas}")
+        return Decision(current, "AtMinReplicas", name, _says(seen, f"at minReplicas {policy.min_replicas}"))
     low_for = (now - signal.starts_at).total_seconds()
     if low_for < policy.stabilization:
-        return Decision(current, "Stabilizing", name, f"{seen}; low for {low_for:.0f}s of the "
-                        f"{policy.stabilization:.0f}s stabilization window", look_again=policy.stabilization - low_for)
+        return Decision(current, "Stabilizing", name, _says(seen, f"low for {low_for:.0f}s of the "
+                        f"{policy.stabilization:.0f}s stabilization window"), look_again=policy.stabilization - low_for)
     if since_change < policy.down_cooldown:
-        return Decision(current, "CooldownActive", name, f"{seen}; scale-down cooldown",
+        return Decision(current, "CooldownActive", name, _says(seen, "scale-down cooldown"),
                         look_again=policy.down_cooldown - since_change)
     want = current - 1 if signal.value is None else math.ceil(current * signal.value / policy.target)
     to = max(policy.min_replicas, current - policy.max_step, min(current - 1, want))
@@ -151,6 +151,10 @@ def event_of(current: int, d: Decision, recorded: bool) -> Event | None:
     if d.replicas < current:
         return ("Normal", "ScaledDown", f"{current} -> {d.replicas} replicas: {d.reason} ({d.source}) {d.message}".strip())
     return ("Normal", "ScalingHeld", f"{current} replicas: {d.reason} ({d.source}) {d.message}".strip())
+
+
+def _says(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def _time(text: Any) -> datetime.datetime | None:

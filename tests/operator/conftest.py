@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import sys
 import threading
 import time
@@ -168,3 +169,44 @@ def operator(cluster):
     op = OperatorThread(cluster.kubeconfig, alert_token="test-token", resync_seconds=600, retry_seconds=0.5).start()
     yield op
     op.stop()
+
+
+# ------------------------------------------------------------------ what Alertmanager posts
+
+def _post_alerts(op, body, token: str | None = "test-token") -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(op.alerts_url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _alert(ns, name, alertname, status="firing", value="0.9", ago=0.0, fingerprint="fp1") -> dict:
+    import datetime
+
+    starts = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=ago)
+    return {"status": status, "labels": {"alertname": alertname, "namespace": ns, "model": name,
+                                         "kiln_autoscaling": "true"},
+            "annotations": {"value": value}, "startsAt": starts.isoformat().replace("+00:00", "Z"),
+            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "http://prometheus/graph", "fingerprint": fingerprint}
+
+
+def _webhook(*alerts, group="{}:{alertname=\"x\"}") -> dict:
+    return {"version": "4", "groupKey": group, "truncatedAlerts": 0, "status": alerts[0]["status"],
+            "receiver": "kiln", "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {},
+            "externalURL": "http://alertmanager", "alerts": list(alerts)}
+
+
+@pytest.fixture(scope="session")
+def am():
+    """Alertmanager's side of the webhook: `post(operator, payload, token=...)`, `alert(...)`, `webhook(...)`."""
+    import types
+
+    return types.SimpleNamespace(post=_post_alerts, alert=_alert, webhook=_webhook)

@@ -421,39 +421,8 @@ def test_an_edit_to_the_runtime_pod_template_is_restored(api, operator):
 
 
 # -- autoscaling from Alertmanager's webhook ------------------------------------------------
-# The operator's receiver is real HTTP; the tests post what Alertmanager posts (the real
-# Alertmanager and Prometheus drive it in tests/e2e).
-
-def post_alerts(op, body, token: str | None = "test-token") -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(op.alerts_url, data=data, method="POST", headers={"Content-Type": "application/json"})
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def alert(ns, name, alertname, status="firing", value="0.9", ago=0.0, fingerprint="fp1") -> dict:
-    import datetime
-
-    starts = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=ago)
-    return {"status": status, "labels": {"alertname": alertname, "namespace": ns, "model": name,
-                                         "kiln_autoscaling": "true"},
-            "annotations": {"value": value}, "startsAt": starts.isoformat().replace("+00:00", "Z"),
-            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "http://prometheus/graph", "fingerprint": fingerprint}
-
-
-def webhook(*alerts, group="{}:{alertname=\"x\"}") -> dict:
-    return {"version": "4", "groupKey": group, "truncatedAlerts": 0, "status": alerts[0]["status"],
-            "receiver": "kiln", "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {},
-            "externalURL": "http://alertmanager", "alerts": list(alerts)}
-
+# The operator's receiver is real HTTP; the tests post what Alertmanager posts (conftest's
+# `post_alerts`, `alert`, `webhook`; the real Alertmanager and Prometheus drive it in tests/e2e).
 
 def serving_autoscaled(api, ns, name, replicas=1, **auto):
     api.apply(model(ns, name, runtime={"replicas": replicas},
@@ -474,11 +443,11 @@ def history(api, ns, name) -> list[dict]:
     return (status(api, ns, name).get("scaling") or {}).get("history") or []
 
 
-def test_a_high_alert_scales_up_once_and_a_replay_changes_nothing(api, operator):
+def test_a_high_alert_scales_up_once_and_a_replay_changes_nothing(api, operator, am):
     ns, name = "scale-up", "busy"
     serving_autoscaled(api, ns, name)
-    high = webhook(alert(ns, name, "KilnUtilizationHigh", value="0.9"))
-    assert post_alerts(operator, high) == (200, {"accepted": 1})
+    high = am.webhook(am.alert(ns, name, "KilnUtilizationHigh", value="0.9"))
+    assert am.post(operator, high) == (200, {"accepted": 1})
     api.wait(lambda: spec_replicas(api, ns, name) == 2, 10, "spec.runtime.replicas 1 -> 2 (1 x 0.9/0.5)")
     api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 2, 10, "the Deployment")
     [entry] = api.wait(lambda: history(api, ns, name), 10, "status.scaling.history")
@@ -489,22 +458,22 @@ def test_a_high_alert_scales_up_once_and_a_replay_changes_nothing(api, operator)
     # The same group again (a retry, a second Alertmanager): one decision, however often.
     roll_out(api, ns, name)
     for _ in range(3):
-        assert post_alerts(operator, high) == (200, {"duplicate": 1})
+        assert am.post(operator, high) == (200, {"duplicate": 1})
     import time
     time.sleep(1)
     assert (spec_replicas(api, ns, name), len(history(api, ns, name))) == (2, 1)
-    resolved = webhook(alert(ns, name, "KilnUtilizationHigh", status="resolved"))
+    resolved = am.webhook(am.alert(ns, name, "KilnUtilizationHigh", status="resolved"))
     resolved["alerts"][0]["startsAt"] = high["alerts"][0]["startsAt"]
-    assert post_alerts(operator, resolved) == (200, {"accepted": 1})
-    assert post_alerts(operator, high) == (200, {"duplicate": 1})  # a replayed firing does not revive it
+    assert am.post(operator, resolved) == (200, {"accepted": 1})
+    assert am.post(operator, high) == (200, {"duplicate": 1})  # a replayed firing does not revive it
     time.sleep(0.5)
     assert spec_replicas(api, ns, name) == 2
 
 
-def test_a_low_alert_scales_down_after_its_stabilization_window(api, operator):
+def test_a_low_alert_scales_down_after_its_stabilization_window(api, operator, am):
     ns, name = "scale-down", "idle"
     serving_autoscaled(api, ns, name, replicas=4, scaleDownStabilizationSeconds=2, scaleDownCooldownSeconds=0)
-    assert post_alerts(operator, webhook(alert(ns, name, "KilnUtilizationLow", value="0.05"))) == (200, {"accepted": 1})
+    assert am.post(operator, am.webhook(am.alert(ns, name, "KilnUtilizationLow", value="0.05"))) == (200, {"accepted": 1})
     [held] = api.wait(lambda: history(api, ns, name), 10, "a Stabilizing hold")
     assert (held["reason"], spec_replicas(api, ns, name)) == ("Stabilizing", 4)
     # No further delivery and no watch event: the operator looks again when the window ends.
@@ -512,12 +481,12 @@ def test_a_low_alert_scales_down_after_its_stabilization_window(api, operator):
     api.wait(lambda: history(api, ns, name)[-1]["reason"] == "UtilizationLow", 5, "the decision in status")
 
 
-def test_missing_metrics_hold_and_a_manual_scale_is_kept(api, operator):
+def test_missing_metrics_hold_and_a_manual_scale_is_kept(api, operator, am):
     ns, name = "no-data", "quiet"
     serving_autoscaled(api, ns, name, replicas=2)
-    both = webhook(alert(ns, name, "KilnUtilizationHigh"), alert(ns, name, "KilnUtilizationMissing", value="",
+    both = am.webhook(am.alert(ns, name, "KilnUtilizationHigh"), am.alert(ns, name, "KilnUtilizationMissing", value="",
                                                                  fingerprint="fp2"))
-    assert post_alerts(operator, both) == (200, {"accepted": 2})
+    assert am.post(operator, both) == (200, {"accepted": 2})
     [held] = api.wait(lambda: history(api, ns, name), 10, "a NoMetrics hold")
     assert (held["reason"], spec_replicas(api, ns, name)) == ("NoMetrics", 2)
     api.patch("InferenceModel", ns, name, {"spec": {"replicas": 3}}, subresource="scale")  # kubectl scale
@@ -526,26 +495,26 @@ def test_missing_metrics_hold_and_a_manual_scale_is_kept(api, operator):
     assert spec_replicas(api, ns, name) == 3
 
 
-def test_the_receiver_refuses_what_it_cannot_trust_and_changes_nothing(api, operator):
+def test_the_receiver_refuses_what_it_cannot_trust_and_changes_nothing(api, operator, am):
     import urllib.request
 
     ns, name = "refused", "guarded"
     serving_autoscaled(api, ns, name)
-    good = webhook(alert(ns, name, "KilnUtilizationHigh"))
-    assert post_alerts(operator, good, token=None)[0] == 401
-    assert post_alerts(operator, good, token="wrong")[0] == 401
-    code, body = post_alerts(operator, b"{not json")
+    good = am.webhook(am.alert(ns, name, "KilnUtilizationHigh"))
+    assert am.post(operator, good, token=None)[0] == 401
+    assert am.post(operator, good, token="wrong")[0] == 401
+    code, body = am.post(operator, b"{not json")
     assert code == 400 and "not JSON" in body["error"]
-    code, body = post_alerts(operator, {**good, "version": "3"})
+    code, body = am.post(operator, {**good, "version": "3"})
     assert code == 400 and "version" in body["error"]
-    no_start = webhook({**alert(ns, name, "KilnUtilizationHigh"), "startsAt": "yesterday"})
-    code, body = post_alerts(operator, no_start)
+    no_start = am.webhook({**am.alert(ns, name, "KilnUtilizationHigh"), "startsAt": "yesterday"})
+    code, body = am.post(operator, no_start)
     assert code == 400 and "alerts[0].startsAt" in body["error"]
-    assert post_alerts(operator, b" " * (2 << 20))[0] == 413
-    other = webhook(alert(ns, "nosuchmodel", "KilnUtilizationHigh"))
-    assert post_alerts(operator, other) == (200, {"unknown_model": 1})
-    foreign = webhook({**alert(ns, name, "KilnUtilizationHigh"), "labels": {"alertname": "DiskFull"}})
-    assert post_alerts(operator, foreign) == (200, {"ignored": 1})
+    assert am.post(operator, b" " * (2 << 20))[0] == 413
+    other = am.webhook(am.alert(ns, "nosuchmodel", "KilnUtilizationHigh"))
+    assert am.post(operator, other) == (200, {"unknown_model": 1})
+    foreign = am.webhook({**am.alert(ns, name, "KilnUtilizationHigh"), "labels": {"alertname": "DiskFull"}})
+    assert am.post(operator, foreign) == (200, {"ignored": 1})
     model_now = api.get("InferenceModel", ns, name)
     assert "autoscaling.kiln.dev/signals" not in (model_now["metadata"].get("annotations") or {})
     assert model_now["spec"]["runtime"]["replicas"] == 1 and history(api, ns, name) == []

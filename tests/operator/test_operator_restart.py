@@ -78,3 +78,46 @@ def test_restart_mid_build_creates_no_duplicate_job_and_resumes(api, cluster, st
         assert cluster.emu.writes() == writes, cluster.emu.counts
     finally:
         third.stop()
+
+
+def test_the_same_alert_at_two_operators_is_one_step_and_a_restart_keeps_the_cooldown(api, start_operator, am):
+    # Alertmanager in HA delivers a group once per replica; two operators (no peering here)
+    # each receive it and each decide. The conditional write of spec.runtime.replicas lets one
+    # step land; the other sees a count it did not set and keeps it.
+    ns, name = "ha", "busy"
+    first = start_operator(alert_token="test-token", retry_seconds=0.5)
+    model = inference_model(ns, name)
+    model["spec"]["runtime"]["replicas"] = 1
+    model["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetGPUUtilization": 50,
+                                    "maxStep": 1, "scaleUpCooldownSeconds": 300}
+    api.apply(model)
+    [job] = api.wait(lambda: api.list("Job", ns, selector=b.LABEL_KEY), 10, "the build Job")
+    complete(api, job)
+    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {
+        "observedGeneration": dep["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1,
+        "availableReplicas": 1}}, subresource="status")
+    second = start_operator(alert_token="test-token", retry_seconds=0.5)
+    high = am.webhook(am.alert(ns, name, "KilnUtilizationHigh", value="0.9"))
+    assert [am.post(op, high)[0] for op in (first, second)] == [200, 200]
+    spec = lambda: api.get("InferenceModel", ns, name)["spec"]["runtime"]["replicas"]  # noqa: E731
+    api.wait(lambda: spec() == 2, 10, "one step, 1 -> 2")
+    time.sleep(1.5)
+    history = lambda: (api.get("InferenceModel", ns, name).get("status") or {}).get("scaling", {}).get("history", [])  # noqa: E731
+    assert spec() == 2 and [h["reason"] for h in history()].count("UtilizationHigh") == 1
+    first.stop()
+    second.stop()
+
+    # A new operator resumes from status.scaling: a fresh alert within the cooldown holds.
+    third = start_operator(alert_token="test-token", retry_seconds=0.5)
+    try:
+        api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {"replicas": 2, "updatedReplicas": 2,
+                                                                          "readyReplicas": 2, "availableReplicas": 2}},
+                  subresource="status")
+        again = am.webhook(am.alert(ns, name, "KilnUtilizationHigh", value="0.9", fingerprint="fp9"))
+        again["alerts"][0]["startsAt"] = am.alert(ns, name, "x", ago=-1)["startsAt"]  # a new episode
+        assert am.post(third, again)[0] == 200
+        api.wait(lambda: history()[-1]["reason"] == "CooldownActive", 10, "the cooldown held after the restart")
+        assert spec() == 2
+    finally:
+        third.stop()
