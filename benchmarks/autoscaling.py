@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -61,6 +62,16 @@ def _alert(ns: str, name: str, alertname: str, starts: float, value: str = "0.9"
                                                "kiln_autoscaling": "true"},
                 "annotations": {"value": value}, "startsAt": stamp, "endsAt": "0001-01-01T00:00:00Z",
                 "fingerprint": f"{name}-{alertname}"}]}
+
+
+def _delta(before: dict[float, float], after: dict[float, float]) -> list[float]:
+    """The requests a histogram counted between two scrapes, each as its bucket's bound."""
+    out, below = [], 0.0
+    for bound in sorted(after):
+        n = after[bound] - before.get(bound, 0.0)
+        out += [bound] * int(n - below)
+        below = n
+    return out
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -155,11 +166,24 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
                         assert r.status == 200
                         await r.read()
 
-                baseline = await _open_loop(get, seconds, RATE)
-                payloads[:] = mix(new_every=10 ** 9)
-                steady = await _open_loop(post, seconds, RATE)
-                payloads[:] = mix(new_every=5)
-                storm = await _open_loop(post, seconds, RATE)
+                async def served(new_every: int) -> dict[str, list[float]]:
+                    """POSTs at RATE and, at the same time, GETs at RATE / 4 (the API server's
+                    latency under the same load), and the receiver's own time per request."""
+                    payloads[:] = mix(new_every)
+                    before = await receiver_seconds()
+                    posts, gets = await asyncio.gather(_open_loop(post, seconds, RATE),
+                                                       _open_loop(get, seconds, RATE // 4))
+                    return {"client": posts, "probe": gets, "server": _delta(before, await receiver_seconds())}
+
+                async def receiver_seconds() -> dict[float, float]:
+                    async with session.get(url.replace("/alerts", "/metrics")) as r:
+                        text = await r.text()
+                    return {float(m.group(1)): float(m.group(2)) for m in re.finditer(
+                        r'^kiln_alert_receiver_duration_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
+                        if m.group(1) != "+Inf"}
+
+                steady = await served(10 ** 9)
+                storm = await served(5)
                 # 2. webhook -> replicas, one model at a time (models part 1 left alone).
                 to_replicas = []
                 for name in stepped:
@@ -175,7 +199,7 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
                         await asyncio.sleep(0.002)
                     to_replicas.append(time.perf_counter() - t)
                     await asyncio.sleep(0.05)
-                return {"baseline": baseline, "steady": steady, "storm": storm, "to_replicas": to_replicas}
+                return {"steady": steady, "storm": storm, "to_replicas": to_replicas}
 
         out = asyncio.run(load())
         decisions = [m for m in api.items(f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels")
@@ -301,7 +325,6 @@ def run(quick: bool) -> str:
     r = measure(models, seconds)
     stages = _load_step(quick)
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
-    b50, b99 = _percentile(r["baseline"], 0.5), _percentile(r["baseline"], 0.99)
     t50, t99, tmax = (_percentile(r["to_replicas"], 0.5), _percentile(r["to_replicas"], 0.99), max(r["to_replicas"]))
     met = lambda ok: "met" if ok else "**missed**"  # noqa: E731
     lines = [
@@ -314,18 +337,22 @@ def run(quick: bool) -> str:
         f"**Receiver under {RATE} alerts/s**, open loop for {seconds:.0f} s each, spread over {models // 2} models. "
         "Steady: what Alertmanager sends while alerts stay as they are (its repeat_interval, a second "
         "Alertmanager replica): repeats, each answered from the receiver's memory, plus the refresh of each "
-        "signal's `seen` every 10 s (a read and a conditional write). Storm: one delivery in five a new alert "
-        f"episode ({RATE // 5}/s: an API read and a conditional write of the model's signal record, then the "
-        "reconcile it wakes records a hold). Baseline: a bare GET of a model from the API server at the same rate.",
+        "signal's `seen` every 10 s (a read and a write). Storm: one delivery in five a new alert "
+        f"episode ({RATE // 5}/s: an API read and a write of the model's signal record, then the reconcile it "
+        "wakes records a hold). Baseline, at the same time: GETs of a model from the API server at a quarter of "
+        "the rate (what one API round trip costs on this machine under this load). The receiver's own time is "
+        "its `kiln_alert_receiver_duration_seconds` histogram (a bucket's upper bound); the client's includes "
+        "this machine's 2 cores shared by the API server, etcd, the operator and the client.",
         "",
-        "| | p50 | p99 | p99 / baseline p99 |",
-        "|---|---|---|---|",
-        f"| baseline: GET a model | {ms(b50)} | {ms(b99)} | 1.0 |",
+        "| | client p50 | client p99 | baseline GET p99 | client p99 / baseline p99 | receiver's own p99 |",
+        "|---|---|---|---|---|---|",
     ]
     for label in ("steady", "storm"):
-        p50, p99 = _percentile(r[label], 0.5), _percentile(r[label], 0.99)
-        lines.append(f"| POST /alerts, {label} | {ms(p50)} | {ms(p99)} | {p99 / b99:.1f} "
-                     f"({met(p99 * 1000 < TARGETS['receiver_p99_ms'])} < {TARGETS['receiver_p99_ms']:.0f} ms) |")
+        run_ = r[label]
+        c50, c99 = _percentile(run_["client"], 0.5), _percentile(run_["client"], 0.99)
+        b99, s99 = _percentile(run_["probe"], 0.99), _percentile(run_["server"], 0.99)
+        lines.append(f"| {label} | {ms(c50)} | {ms(c99)} | {ms(b99)} | {c99 / b99:.1f} | <= {ms(s99)} "
+                     f"({met(s99 * 1000 <= TARGETS['receiver_p99_ms'])} < {TARGETS['receiver_p99_ms']:.0f} ms) |")
     lines += [
         "",
         f"**Webhook to replicas**: from the POST Alertmanager would send (KilnUtilizationHigh, value 0.9, target "

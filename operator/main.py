@@ -87,7 +87,7 @@ def settings(verbose: bool = False) -> Any:
     """kopf settings, decided once (see module constants)."""
     import kopf
 
-    from kiln.operator import handlers
+    from kiln.operator import handlers, signals
 
     s = kopf.OperatorSettings()
     # Kiln posts its own Events (BuildStarted, Available, ...); kopf posts only its warnings
@@ -99,8 +99,11 @@ def settings(verbose: bool = False) -> Any:
     # object goes); name it after Kiln. Owned objects go by ownerReferences, not by handlers.
     s.persistence.finalizer = "kiln.dev/finalizer"
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
+    # The alert receiver's signal record is no change to handle (its event handler acts on
+    # it): left out of the diff-base, so a signal costs no second write.
     s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=PROGRESS_PREFIX, key="last-handled-configuration")
+        prefix=PROGRESS_PREFIX, key="last-handled-configuration",
+        ignored_fields=[("metadata", "annotations", signals.ANN_SIGNALS)])
     s.watching.server_timeout = WATCH_SERVER_TIMEOUT
     s.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     s.watching.connect_timeout = 30
