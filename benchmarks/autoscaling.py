@@ -182,6 +182,7 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
                         r'^kiln_alert_receiver_duration_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
                         if m.group(1) != "+Inf"}
 
+                await served(10 ** 9)  # warm-up: connections made, the operator settled after the creates
                 steady = await served(10 ** 9)
                 storm = await served(5)
                 # 2. webhook -> replicas, one model at a time (models part 1 left alone).
