@@ -294,12 +294,16 @@ def failure_message(state: JobState, pods: Iterable[Mapping[str, Any]]) -> tuple
 
 # ------------------------------------------------------------------------ runtime
 
-def runtime_name(model_name: str) -> str:
-    return f"{model_name}-runtime"
+STABLE, CANARY = "stable", "canary"
 
 
-def selector_labels(model_name: str) -> dict[str, str]:
-    return {LABEL_MODEL: model_name, LABEL_TRACK: "stable"}
+def runtime_name(model_name: str, track: str = STABLE) -> str:
+    """The Deployment of a track: `<model>-runtime` (stable), `<model>-canary` during a rollout."""
+    return f"{model_name}-runtime" if track == STABLE else f"{model_name}-canary"
+
+
+def selector_labels(model_name: str, track: str = STABLE) -> dict[str, str]:
+    return {LABEL_MODEL: model_name, LABEL_TRACK: track}
 
 
 def startup_budget(results: Iterable[Mapping[str, Any]], config: OperatorConfig) -> int:
@@ -323,8 +327,8 @@ def desired_replicas(spec: Mapping[str, Any]) -> int:
 
 def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engines: list[EngineRef],
                        results: Mapping[str, Mapping[str, Any]], config: OperatorConfig,
-                       include_replicas: bool = True) -> dict[str, Any]:
-    """The runtime Deployment serving `engines` (every one present in `results`).
+                       include_replicas: bool = True, track: str = STABLE) -> dict[str, Any]:
+    """The runtime Deployment of `track` serving `engines` (every one present in `results`).
 
     `include_replicas=False` leaves `spec.replicas` out, for a patch while an autoscaler
     owns the replica count (`autoscaling.enabled`).
@@ -336,7 +340,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
     cache = (spec.get("cache") or {}).get("claimName") or config.cache_claim
     version = str(spec["model"].get("version", ""))
     first = engines[0]
-    labels = {**selector_labels(name), LABEL_ENGINE_KEY: first.key, "app.kubernetes.io/name": "kiln-runtime",
+    labels = {**selector_labels(name, track), LABEL_ENGINE_KEY: first.key, "app.kubernetes.io/name": "kiln-runtime",
               "app.kubernetes.io/instance": name, "app.kubernetes.io/component": "runtime",
               "app.kubernetes.io/version": version[:63], **MANAGED_BY}
     engine_args: list[str] = []
@@ -379,7 +383,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
         if runtime.get(field):
             pod_spec[field] = runtime[field]
     dep_spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector_labels(name)},
+        "selector": {"matchLabels": selector_labels(name, track)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "revisionHistoryLimit": 5,
         "template": {
@@ -394,7 +398,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": runtime_name(name), "namespace": meta["namespace"],
+        "metadata": {"name": runtime_name(name, track), "namespace": meta["namespace"],
                      "labels": {k: v for k, v in labels.items() if k != LABEL_TRACK},
                      "ownerReferences": [owner_reference(model)]},
         "spec": dep_spec,

@@ -28,6 +28,9 @@ class OperatorConfig:
     # A firing alert not heard of again within this long is not trusted (hold): longer than
     # Alertmanager's repeat_interval for Kiln's route (docs/operations.md).
     signal_ttl_seconds: float = 600.0
+    # Canary analysis queries this Prometheus (its HTTP API); None: only the spec's own checks,
+    # which then cannot run, so such a rollout waits.
+    prometheus_url: str | None = None
 
     def backend_version(self, backend: str) -> str:
         try:

@@ -12,8 +12,8 @@
   owning it are woken too); an event on a runtime Deployment or Service reconciles its model. That
   is how a finished build is acted on within a second, without polling.
 
-- A change of the scaling-signal annotation (written by the alert receiver) reconciles the
-  model at once; a step that must look again later (a cooldown's end) gets a `Waker` timer.
+- A change of the scaling-signal annotation (written by the alert receiver), or a rollout
+  action (`kiln rollout promote|abort`), reconciles the model at once; a step that must look again later (a cooldown's end) gets a `Waker` timer.
 
 Handlers are registered on an explicit registry by `register()`, so the timer interval
 comes from configuration.
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import kopf
 
-from kiln.operator import builders, reconcile
+from kiln.operator import builders, reconcile, rollout
 from kiln.operator import signals as sig
 from kiln.runtime import contract
 
@@ -214,6 +214,15 @@ async def on_scaling_signal(uid: str, body: Mapping[str, Any], memo: Any, logger
         logger.debug(f"reconcile after a scaling signal: {e}")
 
 
+async def on_rollout_action(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
+    """`kiln rollout promote|abort` set the action annotation: reconcile now (it takes and removes it)."""
+    _seen(memo, kw)
+    try:
+        await reconcile.reconcile(memo.ctx, dict(body), views(kw))
+    except (kopf.TemporaryError, kopf.PermanentError) as e:
+        logger.debug(f"reconcile after a rollout action: {e}")
+
+
 async def on_model_deleted(namespace: str, name: str, uid: str, memo: Any, **_: Any) -> None:
     memo.ctx.forget(uid)  # the owned objects go by ownerReferences (the garbage collector)
     memo.ctx.metrics.forget(namespace, name)
@@ -280,6 +289,8 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
     kopf.on.resume(*MODELS, id="reconcile", registry=registry)(on_model)
     kopf.on.event(*MODELS, id="scaling-signal", annotations={sig.ANN_SIGNALS: kopf.PRESENT},
                   registry=registry)(on_scaling_signal)
+    kopf.on.event(*MODELS, id="rollout-action", annotations={rollout.ANN_ACTION: kopf.PRESENT},
+                  registry=registry)(on_rollout_action)
     kopf.on.delete(*MODELS, id="forget", optional=True, registry=registry)(on_model_deleted)
     kopf.timer(*MODELS, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
                registry=registry)(on_resync)

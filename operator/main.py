@@ -63,6 +63,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signal-ttl-seconds", type=float, default=600.0,
                         help="a firing alert not delivered again within this long is not acted on; "
                              "keep it above Alertmanager's repeat_interval for Kiln's route")
+    parser.add_argument("--prometheus-url", default=None, metavar="URL",
+                        help="Prometheus for canary analysis (e.g. http://prometheus-operated.monitoring:9090); "
+                             "without it the built-in checks are off and a spec's own checks hold the rollout")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -80,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         resync_seconds=args.resync_seconds,
         retry_seconds=args.retry_seconds,
         signal_ttl_seconds=args.signal_ttl_seconds,
+        prometheus_url=args.prometheus_url or None,
     )
 
 
@@ -87,7 +91,7 @@ def settings(verbose: bool = False) -> Any:
     """kopf settings, decided once (see module constants)."""
     import kopf
 
-    from kiln.operator import handlers, signals
+    from kiln.operator import handlers, rollout, signals
 
     s = kopf.OperatorSettings()
     # Kiln posts its own Events (BuildStarted, Available, ...); kopf posts only its warnings
@@ -99,11 +103,12 @@ def settings(verbose: bool = False) -> Any:
     # object goes); name it after Kiln. Owned objects go by ownerReferences, not by handlers.
     s.persistence.finalizer = "kiln.dev/finalizer"
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
-    # The alert receiver's signal record is no change to handle (its event handler acts on
-    # it): left out of the diff-base, so a signal costs no second write.
+    # The alert receiver's signal record and a rollout action are no changes to handle (event
+    # handlers act on them): left out of the diff-base, so they cost no second write.
     s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=PROGRESS_PREFIX, key="last-handled-configuration",
-        ignored_fields=[("metadata", "annotations", signals.ANN_SIGNALS)])
+        ignored_fields=[("metadata", "annotations", signals.ANN_SIGNALS),
+                        ("metadata", "annotations", rollout.ANN_ACTION)])
     s.watching.server_timeout = WATCH_SERVER_TIMEOUT
     s.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     s.watching.connect_timeout = 30

@@ -1,12 +1,21 @@
-"""The rollout step: which engines each track's Deployment runs, and how far it has got.
+"""The rollout step: which engines each track's Deployment runs, its share, how far it got.
 
-Owns `Progressing`, `status.engineKey`, `status.stable` and `status.canary`. It decides
-and the serving step acts: `decide()` names the manifest of each track (today one,
-`stable`). The policy today, whatever `spec.rollout.strategy` says: a track moves to the
-new engines only once every one of them exists (nothing running changes before), and then
-the Deployment rolls with its RollingUpdate. Canary rollouts plug in here: a `canary`
-track with its own Deployment and weight, steps and analysis as a pure state machine over
-`status.canary` (so a restart resumes), with an injected clock.
+Owns `Progressing`, `status.engineKey`, `status.stable`, `status.canary` and
+`status.rollback`. It decides and the serving step acts (`Tracks`: the manifest of each
+track, the replicas of each, the canary's weight in effect).
+
+- Nothing running changes before every engine of the new key exists.
+- `strategy: Recreate`, or nothing serving yet: the stable Deployment moves to the new
+  engines with its rolling update.
+- `strategy: Canary` with something serving: the canary state machine (`canary.advance`,
+  pure, its state in `status.canary`). The scaling step owns the total; this step splits it:
+  the canary gets its weight's share (at least `canaryMinReplicas`), and the stable side
+  shrinks only by the canary pods that are Ready, so capacity never drops before the new
+  weight is in effect.
+- Analysis (`analysis.py`) runs when the machine says one is due, against the operator's
+  `--prometheus-url`; the built-in checks only where there is one.
+- By hand: the annotation `rollout.kiln.dev/action: promote|abort` (`kiln rollout`), taken
+  and removed in the same pass.
 """
 
 from __future__ import annotations
@@ -14,16 +23,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from kiln.operator import analysis as an
 from kiln.operator import builders
+from kiln.operator import canary as cn
 from kiln.operator.engines import EngineObservation
 from kiln.operator.steps import Condition, Owns, Pass, StepResult
+from kiln.runtime import contract
 
-OWNS = Owns(conditions=("Progressing",), fields=("engineKey", "stable", "canary"), sticky=("canary",))
+OWNS = Owns(conditions=("Progressing",), fields=("engineKey", "stable", "canary", "rollback"),
+            sticky=("canary", "rollback"))
+# Outside kopf's kiln.dev/ prefix, which its diffs leave out: a change of it is an event.
+ANN_ACTION = "rollout.kiln.dev/action"
 
 
 @dataclasses.dataclass(frozen=True)
 class Track:
-    name: str  # stable (canary later)
+    name: str  # stable | canary
     engines: tuple[EngineObservation, ...]
     applied: dict[str, Any]  # the Deployment Kiln applies (replicas left out when autoscaled)
     hash: str  # builders.manifest_hash(applied)
@@ -31,7 +46,13 @@ class Track:
 
 @dataclasses.dataclass(frozen=True)
 class Tracks:
-    stable: Track | None  # None: leave the running Deployment as it is
+    stable: Track | None  # None: leave the stable Deployment's template as it is
+    canary: Track | None = None  # None: no canary Deployment (one that exists goes)
+    stable_replicas: int | None = None  # None: the scaling step's count
+    canary_replicas: int = 0
+    weight: int = 0  # the canary's share of traffic in effect (Gateway API weights)
+    rolled_back: Mapping[str, Any] | None = None
+    hold: bool = False  # the spec cannot work: touch no Deployment
 
 
 async def step(p: Pass) -> StepResult:
@@ -40,20 +61,94 @@ async def step(p: Pass) -> StepResult:
     if p.invalid is not None:
         keep = {k: p.previous[k] for k in ("engineKey", "stable") if p.previous.get(k) is not None}
         return StepResult(conditions={"Progressing": (False, "InvalidSpec", "the spec cannot work; change it to proceed")},
-                          status=keep, out=Tracks(None))
-    tracks = decide(p, observed, p.out["scaling"])
+                          status=keep, out=Tracks(None, hold=True))
+    ready = bool(observed) and all(o.state == "Ready" for o in observed)
+    serving = builders.observe_deployment(live)
+    desired = observed[0].engine.key if observed else ""
+    state = p.previous.get("canary") or None
+    canaried = ((p.spec.get("rollout") or {}).get("strategy", "Canary") == "Canary" and serving.exists and bool(desired)
+                and (serving.engine_key != desired or (state or {}).get("engineKey") == desired))
+    if not canaried:
+        return without_canary(p, observed, ready, desired, live)
+    return await with_canary(p, observed, ready, desired, serving, state)
+
+
+def without_canary(p: Pass, observed: list[EngineObservation], ready: bool, desired: str,
+                   live: Mapping[str, Any] | None) -> StepResult:
+    """Recreate, or nothing serving yet: the stable Deployment moves once the engines exist."""
+    tracks = Tracks(track(p, observed, builders.STABLE) if ready else None)
+    status = stable_status(p, tracks, live)
+    if p.previous.get("canary"):
+        status["canary"] = None  # superseded by a Recreate
+    if p.previous.get("rollback") and p.previous["rollback"].get("engineKey") != desired:
+        status["rollback"] = None  # the spec moved on
     return StepResult(conditions={"Progressing": progressing(p.version, observed, tracks, live)},
-                      status=stable_status(p, tracks, live), out=tracks)
+                      status=status, out=tracks)
 
 
-def decide(p: Pass, observed: list[EngineObservation], scale: Any) -> Tracks:
-    """The stable track runs the current engines once every one of them exists."""
-    if not observed or any(o.state != "Ready" for o in observed):
-        return Tracks(None)
+async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, desired: str,
+                      serving: builders.DeploymentObservation, state: Mapping[str, Any] | None) -> StepResult:
+    total = p.out["scaling"].replicas
+    policy = cn.Policy.from_spec(p.spec.get("rollout") or {})
+    canary_live = builders.observe_deployment(p.views.deployment(p.ns, builders.runtime_name(p.name, builders.CANARY)))
+    target_weight = int((state or {}).get("targetWeight") or policy.steps[0][0])
+    args = dict(desired_key=desired, version=p.version, engines_ready=ready, rollback=p.previous.get("rollback"),
+                canary_ready=canary_live.ready if canary_live.engine_key == desired else 0,
+                canary_target=cn.canary_replicas(total, target_weight, policy.canary_min),
+                stable_done=serving.engine_key == desired and serving.rolled_out and serving.ready >= total,
+                action=await take_action(p), now=p.ctx.clock())
+    plan = cn.advance(policy, state=state, outcome=None, **args)
+    if plan.analyze:
+        outcome = await an.evaluate(p.ctx.config.prometheus_url, checks(p, plan.state, serving.engine_key))
+        plan = cn.advance(policy, state=plan.state, outcome=outcome, **{**args, "action": None})
+    for event in plan.events:
+        p.record(*event)
+    s = plan.state
+    weight = int(s["weight"]) if s else 0
+    canary_track = track(p, observed, builders.CANARY) if plan.canary_key else None
+    if plan.promote:
+        tracks = Tracks(track(p, observed, builders.STABLE), canary_track, total, canary_live.replicas, weight)
+    elif canary_track is not None:
+        cap = cn.canary_replicas(total, int(s["targetWeight"]), policy.canary_min)
+        tracks = Tracks(None, canary_track, max(total - min(canary_live.ready, cap), 1), cap, weight)
+    else:  # before the engines exist, rolled back, or promoted
+        tracks = Tracks(track(p, observed, builders.STABLE) if s is None and serving.engine_key == desired
+                        else None, None, total, 0, 0, plan.rollback)
+    status = stable_status(p, tracks, p.views.deployment(p.ns, builders.runtime_name(p.name)))
+    status["canary"] = None if s is None else {**s, "replicas": canary_live.replicas, "readyReplicas": canary_live.ready}
+    status["rollback"] = plan.rollback
+    return StepResult(conditions={"Progressing": canary_progressing(p.version, observed, plan)}, status=status,
+                      out=tracks, wake_after=plan.look_again)
+
+
+def track(p: Pass, observed: list[EngineObservation], name: str) -> Track:
     results = {o.engine.index_key: dict(o.result or {}) for o in observed}
     applied = builders.runtime_deployment(p.model, p.spec, [o.engine for o in observed], results, p.ctx.config,
-                                          include_replicas=not scale.autoscaled)
-    return Tracks(Track("stable", tuple(observed), applied, builders.manifest_hash(applied)))
+                                          include_replicas=not p.out["scaling"].autoscaled and name == builders.STABLE,
+                                          track=name)
+    return Track(name, tuple(observed), applied, builders.manifest_hash(applied))
+
+
+def checks(p: Pass, state: Mapping[str, Any] | None, stable_key: str) -> list[an.Check]:
+    a = (p.spec.get("rollout") or {}).get("analysis") or {}
+    key = (state or {}).get("engineKey", "")
+    built_in = an.builtin_checks(a, p.ns, p.name, key, stable_key) if p.ctx.config.prometheus_url else []
+    return built_in + an.user_checks(a, p.ns, p.name, p.version, key)
+
+
+async def take_action(p: Pass) -> str | None:
+    """promote / abort asked by hand: read and removed (an unknown value is removed, with a Warning)."""
+    action = (p.model["metadata"].get("annotations") or {}).get(ANN_ACTION)
+    if action is None:
+        return None
+    await p.ctx.kube.patch(contract.KIND, p.ns, p.name, {"metadata": {"annotations": {ANN_ACTION: None}}})
+    if action not in (cn.PROMOTE, cn.ABORT):
+        p.record("Warning", "UnknownRolloutAction", f"{ANN_ACTION}: {action!r} is neither promote nor abort; removed")
+        return None
+    if not (p.previous.get("canary") or {}):
+        p.record("Warning", "NoRollout", f"{ANN_ACTION}: {action} asked with no rollout running; removed")
+        return None
+    return action
 
 
 def in_sync(live: Mapping[str, Any] | None, track: Track) -> bool:
@@ -76,6 +171,24 @@ def progressing(version: str, observed: list[EngineObservation], tracks: Tracks,
     return (True, "RollingOut", f"rolling out engine {key} for version {version}")
 
 
+def canary_progressing(version: str, observed: list[EngineObservation], plan: cn.Plan) -> Condition:
+    if any(o.state == "Failed" for o in observed):
+        return (False, "BuildFailed", "a build failed; change the spec to retry")
+    if plan.rollback is not None:
+        return (False, "RolledBack", f"version {plan.rollback.get('version')} rolled back: {plan.rollback.get('reason')}")
+    s = plan.state
+    if s is None:
+        if plan.canary_key is None and not all(o.state == "Ready" for o in observed):
+            return (True, "Building", f"building the engines for version {version}; nothing running changes")
+        return (False, "RolloutComplete", f"version {version} is stable")
+    where = f"step {s['step'] + 1}, canary at {s['weight']}% (target {s['targetWeight']}%)"
+    if s["phase"] == cn.PROMOTING:
+        return (True, "Promoting", f"version {version}: the stable Deployment moves to engine {s['engineKey']}")
+    if s["phase"] == cn.PAUSED:
+        return (True, "RolloutPaused", f"{where}: {(s.get('lastAnalysis') or {}).get('message', 'waiting for data')}")
+    return (True, "Canary", f"version {version}: {where}")
+
+
 def stable_status(p: Pass, tracks: Tracks, live: Mapping[str, Any] | None) -> dict[str, Any]:
     """engineKey and stable: the key the stable Deployment runs once the serving step acted."""
     dep = builders.observe_deployment(live)
@@ -85,5 +198,5 @@ def stable_status(p: Pass, tracks: Tracks, live: Mapping[str, Any] | None) -> di
         key, version = dep.engine_key, str((p.previous.get("stable") or {}).get("version", ""))
     if not key:
         return {"engineKey": p.engines[0].key} if p.engines else {}
-    return {"engineKey": key, "stable": {"version": version, "engineKey": key, "weight": 100,
+    return {"engineKey": key, "stable": {"version": version, "engineKey": key, "weight": 100 - tracks.weight,
                                          "replicas": dep.replicas, "readyReplicas": dep.ready}}

@@ -1,11 +1,11 @@
 """The scaling step: how many runtime replicas, and `status.scaling`.
 
-Owns the replica count (`Scale`, read by the serving step's create) and `status.scaling`.
-The count is `spec.runtime.replicas`, the field the scale subresource exposes: `kubectl
-scale`, an HPA or KEDA may write it, and so does Kiln's autoscaler (through the same
-subresource). With `autoscaling.enabled` the Deployment's template leaves replicas out
-(KServe's rule) and this step patches `spec.replicas` alone, so a scale change never rolls
-the pods.
+Owns the replica count (`Scale`: the total, which the rollout step splits between the
+tracks and the serving step applies as `spec.replicas` alone, so a scale change never rolls
+the pods) and `status.scaling`. The count is `spec.runtime.replicas`, the field the scale
+subresource exposes: `kubectl scale`, an HPA or KEDA may write it, and so does Kiln's
+autoscaler. With `autoscaling.enabled` the Deployment's template leaves replicas out
+(KServe's rule).
 
 The autoscaler is `decide`, a pure function of the policy (the spec), the signals the alert
 receiver recorded (`signals.py`), the state it keeps in `status.scaling` and the clock:
@@ -178,8 +178,8 @@ async def step(p: Pass) -> StepResult:
         # deciding from it would undo that write.
         return StepResult(out=Scale(int(state["replicas"]), True))
     current = int((p.spec.get("runtime") or {}).get("replicas", 1))
-    live = p.views.deployment(p.ns, builders.runtime_name(p.name))
-    ready = int(((live or {}).get("status") or {}).get("readyReplicas") or 0)
+    ready = sum(int(((p.views.deployment(p.ns, builders.runtime_name(p.name, t)) or {}).get("status") or {})
+                    .get("readyReplicas") or 0) for t in (builders.STABLE, builders.CANARY))
     now = p.ctx.clock()
     d = decide(Policy.from_spec(auto), current, ready, sig.parse(p.model["metadata"].get("annotations")),
                state, now, p.ctx.config.signal_ttl_seconds)
@@ -195,8 +195,6 @@ async def step(p: Pass) -> StepResult:
         direction = "up" if d.replicas > current else "down" if d.replicas < current else "hold"
         metrics.decisions.labels(p.ns, p.name, direction).inc()
     metrics.set_autoscaled(p.ns, p.name, auto, d.replicas)
-    if live is not None and _applied_by_kiln(live) and int((live.get("spec") or {}).get("replicas", 1)) != d.replicas:
-        await p.ctx.kube.patch("Deployment", p.ns, builders.runtime_name(p.name), {"spec": {"replicas": d.replicas}})
     return StepResult(status={"scaling": new_state}, out=Scale(d.replicas, True), wake_after=d.look_again)
 
 
@@ -214,6 +212,3 @@ async def _write_replicas(p: Pass, replicas: int) -> int | None:
         raise
     return int(written["metadata"].get("generation") or 0)
 
-
-def _applied_by_kiln(live: dict) -> bool:
-    return builders.ANN_APPLIED_HASH in (live["metadata"].get("annotations") or {})

@@ -25,14 +25,26 @@ OWNS = Owns(conditions=("Available", "Degraded"), fields=("replicas", "readyRepl
 async def step(p: Pass) -> StepResult:
     tracks: Tracks = p.out["rollout"]
     dep = p.views.deployment(p.ns, builders.runtime_name(p.name))
-    if tracks.stable is not None:
-        dep = await apply_deployment(p, dep, tracks.stable)
-        await apply_service(p)
-    seen = builders.observe_deployment(dep)
+    canary = p.views.deployment(p.ns, builders.runtime_name(p.name, builders.CANARY))
+    if not tracks.hold:
+        stable_replicas = p.out["scaling"].replicas if tracks.stable_replicas is None else tracks.stable_replicas
+        if tracks.stable is not None:
+            dep = await apply_deployment(p, dep, tracks.stable, stable_replicas)
+            await apply_service(p)
+        dep = await set_replicas(p, dep, stable_replicas)
+        if tracks.canary is not None:
+            canary = await set_replicas(p, await apply_deployment(p, canary, tracks.canary, tracks.canary_replicas),
+                                        tracks.canary_replicas)
+        elif canary is not None:
+            await p.ctx.kube.delete("Deployment", p.ns, canary["metadata"]["name"])
+            p.record("Normal", "CanaryRemoved", f"deleted Deployment {canary['metadata']['name']}")
+            canary = None
+    seen, seen_canary = builders.observe_deployment(dep), builders.observe_deployment(canary)
     failed = any(o.state == "Failed" for o in p.out["engines"])
-    conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None),
-                  "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None)}
-    status = {"replicas": seen.replicas, "readyReplicas": seen.ready,
+    conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists),
+                  "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None,
+                                       rolled_back=tracks.rolled_back)}
+    status = {"replicas": seen.replicas + seen_canary.replicas, "readyReplicas": seen.ready + seen_canary.ready,
               "selector": f"{builders.LABEL_MODEL}={p.name}"}
     starting = tracks.stable is not None and (not seen.rolled_out or (seen.desired > 0 and seen.ready == 0))
     told = [] if p.invalid is not None else transition_events(p.previous.get("conditions"), conditions)
@@ -55,10 +67,14 @@ def available(seen: builders.DeploymentObservation, invalid: bool, waiting: bool
     return (False, "Deploying", "creating the runtime Deployment")
 
 
-def degraded(seen: builders.DeploymentObservation, invalid: str | None, failed: bool, current: bool) -> Condition:
+def degraded(seen: builders.DeploymentObservation, invalid: str | None, failed: bool, current: bool,
+             rolled_back: Mapping[str, Any] | None = None) -> Condition:
     serving = seen.exists and seen.ready > 0
     if invalid is not None:
         return (True, "InvalidSpec", invalid)
+    if rolled_back:
+        return (True, "RolledBack", f"version {rolled_back.get('version')} was rolled back: {rolled_back.get('reason')}; "
+                f"engine {seen.engine_key} serves")
     if failed and serving:
         return (True, "BuildFailed", f"serving engine {seen.engine_key}; the new engines failed to build")
     if current and seen.rolled_out and seen.ready < seen.desired:
@@ -94,12 +110,21 @@ def restore_patch(last: Any, new: dict[str, Any], drift: list[str]) -> dict[str,
 
 # ------------------------------------------------------------------------ acting
 
-async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track) -> Mapping[str, Any]:
-    name, kube = builders.runtime_name(p.name), p.ctx.kube
+async def set_replicas(p: Pass, dep: Mapping[str, Any] | None, replicas: int) -> Mapping[str, Any] | None:
+    """spec.replicas alone (a scale or a traffic shift never changes the pod template)."""
+    if dep is None or builders.ANN_APPLIED_HASH not in (dep["metadata"].get("annotations") or {}):
+        return dep
+    if int((dep.get("spec") or {}).get("replicas", 1)) == replicas:
+        return dep
+    return await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"], {"spec": {"replicas": replicas}})
+
+
+async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track, replicas: int) -> Mapping[str, Any]:
+    name, kube = track.applied["metadata"]["name"], p.ctx.kube
     new = builders.with_applied(track.applied)
     if dep is None:
         body = json.loads(json.dumps(new))
-        body["spec"]["replicas"] = p.out["scaling"].replicas
+        body["spec"]["replicas"] = replicas
         dep, created = await kube.create(body)
         if created:
             p.record("Normal", "Deploying", f"created Deployment {name} serving engine {track.engines[0].engine.key}")

@@ -108,7 +108,9 @@ def _default(value: Any, node: dict) -> Any:
         props = node.get("properties")
         if props:
             for name, sub in props.items():
-                if value.get(name) is None and "default" in sub and not sub.get("nullable"):
+                # Absent: defaulted. Null: defaulted too, unless the field is nullable (null is
+                # then a value, e.g. "this check off"), as the API server does.
+                if "default" in sub and (name not in value or value[name] is None and not sub.get("nullable")):
                     value[name] = copy.deepcopy(sub["default"])
                 if name in value:
                     value[name] = _default(value[name], sub)
@@ -244,8 +246,20 @@ def _unknown_fields(value: Any, node: dict, path: str) -> Iterator[str]:
 def _validator(prefix: str):
     import jsonschema
 
-    root = _schema(VERSION)
+    root = _nullable(_schema(VERSION))
     return jsonschema.Draft202012Validator(root if prefix == "" else root["properties"]["spec"])
+
+
+def _nullable(node: Any) -> Any:
+    """OpenAPI's `nullable: true` in jsonschema's words: null is one more allowed type."""
+    if isinstance(node, list):
+        return [_nullable(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _nullable(v) for k, v in node.items()}
+    if out.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    return out
 
 
 def _schema_errors(value: dict, node: dict, prefix: str) -> list[str]:

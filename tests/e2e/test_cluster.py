@@ -134,7 +134,7 @@ def model_version(directory: Path, version: str) -> Path:
     return path
 
 
-def iris(namespace: str, version: str, digest: str, replicas: int = 1) -> dict:
+def iris(namespace: str, version: str, digest: str, replicas: int = 1, rollout: dict | None = None) -> dict:
     return {
         "apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
         "metadata": {"name": "iris", "namespace": namespace},
@@ -147,6 +147,7 @@ def iris(namespace: str, version: str, digest: str, replicas: int = 1) -> dict:
                         "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
                                       "limits": {"nvidia.com/gpu": 1}},
                         "batching": {"maxBatchSize": 64, "maxQueueDelayMicroseconds": 500}},
+            "rollout": rollout or {"strategy": "Recreate"},
         },
     }
 

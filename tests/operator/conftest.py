@@ -165,8 +165,23 @@ def start_operator(cluster):
 
 
 @pytest.fixture(scope="module")
-def operator(cluster):
-    op = OperatorThread(cluster.kubeconfig, alert_token="test-token", resync_seconds=600, retry_seconds=0.5).start()
+def prometheus(tmp_path_factory):
+    """A real Prometheus (Debian's) for canary analysis, with nothing to scrape: the tests'
+    checks are PromQL over constants and absent series. None where it is not installed."""
+    sys.path.insert(0, str(HERE.parent))
+    import monitoring
+
+    if monitoring.unavailable():
+        yield None
+        return
+    with monitoring.Prometheus(tmp_path_factory.mktemp("prometheus")) as prom:
+        yield prom
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, prometheus):
+    op = OperatorThread(cluster.kubeconfig, alert_token="test-token", resync_seconds=600, retry_seconds=0.5,
+                        prometheus_url=prometheus.url if prometheus else None).start()
     yield op
     op.stop()
 
