@@ -56,7 +56,8 @@ rules: $(BIN)/.deps $(HELM)
 		> $(RULES_FILE)
 
 # The real control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok),
-# built from upstream Go modules into .tools/<name>-<version>/ once; a no-op when present.
+# built from upstream Go modules into .tools/<name>-<version>/ once, and the Gateway API CRDs
+# (.tools/gateway-api-<version>/crds/, a module download); a no-op when present.
 controlplane:
 	$(PYTHON) hack/build_controlplane.py --dest $(TOOLS)
 

@@ -6,10 +6,13 @@ k8s.io/kubernetes, etcd from go.etcd.io/etcd/server/v3, kwok from sigs.k8s.io/kw
 k8s.io/kubernetes and etcd replace their sibling modules with local paths, which
 `go install mod@version` refuses; so each is built from a small local module that
 requires the release and replaces every such sibling with its published version, read
-from upstream's own go.mod (nothing hard-coded but the three release versions).
+from upstream's own go.mod (nothing hard-coded but the release versions).
+The Gateway API's CRDs (standard channel) are copied from the sigs.k8s.io/gateway-api
+module as upstream ships them: a module download, nothing built.
 
-Output: <dest>/<name>-<version>/bin/<binary>, written once; a later run that finds the
-binaries returns at once. Standard library only: it runs before the virtualenv exists.
+Output: <dest>/<name>-<version>/bin/<binary> and <dest>/gateway-api-<version>/crds/*.yaml,
+written once; a later run that finds them returns at once. Standard library only: it runs
+before the virtualenv exists.
 """
 from __future__ import annotations
 
@@ -27,12 +30,29 @@ from pathlib import Path
 KUBERNETES = "v1.37.2"
 ETCD = "v3.6.16"
 KWOK = "v0.8.0"
+GATEWAY_API = "v1.6.3"
 
 
 def go(*args: str, cwd: Path, env: dict | None = None) -> str:
     result = subprocess.run(["go", *args], cwd=cwd, env={**os.environ, **(env or {})},
                             check=True, stdout=subprocess.PIPE, text=True)
     return result.stdout
+
+
+def module_dir(module: str, version: str, work: Path) -> Path:
+    """The extracted source of `module@version` in the module cache (downloaded if missing)."""
+    if shutil.which("go") is None:
+        sys.exit(f"{module}@{version}: no `go` on PATH (Go 1.26 and the Go module proxy fetch it)")
+    found = subprocess.run(["go", "mod", "download", "-json", f"{module}@{version}"], cwd=work,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(found.stdout)
+    except ValueError:
+        info = {}
+    if found.returncode != 0 or not info.get("Dir"):
+        sys.exit(f"go mod download {module}@{version} failed ({found.returncode}): "
+                 f"{info.get('Error') or found.stdout.strip() or 'see its error above'}")
+    return Path(info["Dir"])
 
 
 def upstream_gomod(module: str, version: str, work: Path) -> dict:
@@ -82,9 +102,26 @@ def build_kwok(out: Path) -> None:
     build_module("sigs.k8s.io/kwok", KWOK, KWOK, {"sigs.k8s.io/kwok/cmd/kwok": "kwok"},
                  [f"-X sigs.k8s.io/kwok/pkg/consts.Version={KWOK}"], out)
     with tempfile.TemporaryDirectory() as tmp:
-        source = Path(json.loads(go("mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK}", cwd=Path(tmp)))["Dir"])
+        source = module_dir("sigs.k8s.io/kwok", KWOK, Path(tmp))
     (out / "stages.yaml").write_text("\n---\n".join(
         (source / "kustomize/stage" / stage).read_text() for stage in KWOK_STAGES))
+
+
+# The Gateway API's standard channel, every file of it (the CRDs and the safe-upgrades
+# ValidatingAdmissionPolicy upstream installs with them); these must be among them.
+GATEWAY_API_CRDS = [f"gateway.networking.k8s.io_{plural}.yaml"
+                    for plural in ("gatewayclasses", "gateways", "httproutes", "referencegrants")]
+
+
+def fetch_gateway_api(out: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        standard = module_dir("sigs.k8s.io/gateway-api", GATEWAY_API, Path(tmp)) / "config" / "crd" / "standard"
+    manifests = sorted(standard.glob("*.yaml"))
+    if not manifests:
+        sys.exit(f"sigs.k8s.io/gateway-api@{GATEWAY_API}: no config/crd/standard/*.yaml in {standard.parent.parent}")
+    out.mkdir(parents=True, exist_ok=True)
+    for manifest in manifests:  # copyfile: the module cache's files are read-only
+        shutil.copyfile(manifest, out / manifest.name)
 
 
 def kubernetes_ldflags(version: str) -> list[str]:
@@ -98,22 +135,23 @@ def kubernetes_ldflags(version: str) -> list[str]:
             for key, value in values.items()]
 
 
-def ensure(name: str, version: str, binaries: list[str], dest: Path, build) -> Path:
-    bin_dir = dest / f"{name}-{version}" / "bin"
-    if all((bin_dir / b).exists() for b in binaries):
-        return bin_dir
-    staging = bin_dir.with_name("bin.partial")
+def ensure(name: str, version: str, files: list[str], dest: Path, build, folder: str = "bin") -> Path:
+    """<dest>/<name>-<version>/<folder> holding `files`, made by `build(staging)` unless present."""
+    out = dest / f"{name}-{version}" / folder
+    if all((out / f).exists() for f in files):
+        return out
+    staging = out.with_name(f"{folder}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     started = time.monotonic()
-    print(f"building {name} {version} ({', '.join(binaries)}) ...", flush=True)
+    print(f"building {name} {version} ({', '.join(files)}) ...", flush=True)
     build(staging)
-    missing = [b for b in binaries if not (staging / b).exists()]
+    missing = [f for f in files if not (staging / f).exists()]
     if missing:
         sys.exit(f"{name} {version}: build produced no {missing}")
-    shutil.rmtree(bin_dir, ignore_errors=True)
-    staging.rename(bin_dir)
-    print(f"built {name} {version} in {time.monotonic() - started:.0f} s", flush=True)
-    return bin_dir
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    print(f"built {name} {version} in {time.monotonic() - started:.1f} s", flush=True)
+    return out
 
 
 def main() -> None:
@@ -121,8 +159,13 @@ def main() -> None:
     parser.add_argument("--dest", type=Path, default=Path(".tools"))
     parser.add_argument("--print-dirs", action="store_true",
                         help="print the bin folders, one a line, and build nothing")
+    parser.add_argument("--print-crds", action="store_true",
+                        help="print the Gateway API CRD folder and fetch nothing")
     args = parser.parse_args()
     dest = args.dest.resolve()
+    if args.print_crds:
+        print(dest / f"gateway-api-{GATEWAY_API}" / "crds")
+        return
     k8s_minor = KUBERNETES.lstrip("v").split(".", 1)[1]      # 1.37.2 -> staging v0.37.2
     components = [
         ("etcd", ETCD, ["etcd"],
@@ -143,6 +186,8 @@ def main() -> None:
             print(dest / f"{name}-{version}" / "bin")
         else:
             ensure(name, version, binaries, dest, build)
+    if not args.print_dirs:
+        ensure("gateway-api", GATEWAY_API, GATEWAY_API_CRDS, dest, fetch_gateway_api, folder="crds")
 
 
 if __name__ == "__main__":

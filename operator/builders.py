@@ -10,6 +10,7 @@ function is tested without a cluster (tests/operator/test_builders.py).
 - `job_state`, `termination_result`: what a finished build Job and its pod say.
 - `observe_deployment`, `template_drift`: what a live runtime Deployment says, and where
   its pod template differs from what Kiln applied.
+- `httproute_weights_patch`: the JSON Patch that sets backend weights on a Gateway API HTTPRoute.
 """
 
 from __future__ import annotations
@@ -522,3 +523,34 @@ def template_drift(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -
 def slim_containers(containers: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """What the Deployments index keeps of each container: its name and DRIFT_FIELDS."""
     return [{k: c[k] for k in ("name", *DRIFT_FIELDS) if k in c} for c in containers]
+
+
+# ------------------------------------------------------------------------ traffic
+
+def httproute_weights_patch(route: Mapping[str, Any], weights: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The JSON Patch (RFC 6902) that sets the weight of every backendRef named in `weights`, in
+    every rule of `route` (an HTTPRoute as read from the API).
+
+    Each write is preceded by a `test` of that backendRef's name, so a route whose refs moved
+    since it was read fails the whole patch (422) rather than weighting the wrong backend.
+    The weights themselves are checked by the Gateway API's CRD (0 to 1000000).
+    Raises ValueError naming the route when a backend in `weights` is in none of its rules.
+    """
+    patch: list[dict[str, Any]] = []
+    found: set[str] = set()
+    for i, rule in enumerate((route.get("spec") or {}).get("rules") or ()):
+        for j, ref in enumerate(rule.get("backendRefs") or ()):
+            name = ref.get("name")
+            if name not in weights:
+                continue
+            found.add(name)
+            at = f"/spec/rules/{i}/backendRefs/{j}"
+            # `replace` needs the member: the CRD defaults it (1) on a route read from the API; `add` if absent.
+            patch += [{"op": "test", "path": f"{at}/name", "value": name},
+                      {"op": "replace" if "weight" in ref else "add", "path": f"{at}/weight", "value": weights[name]}]
+    missing = sorted(set(weights) - found)
+    if missing:
+        meta = route.get("metadata") or {}
+        raise ValueError(f"HTTPRoute {meta.get('namespace')}/{meta.get('name')} has no backendRef "
+                         f"named {', '.join(missing)}")
+    return patch

@@ -20,8 +20,8 @@ import yaml
 
 from kiln.operator import builders
 from localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
-from localcluster.client import dump, pods, ready, wait_for
-from localcluster.controlplane import A100, REPO
+from localcluster.client import Api, dump, pods, ready, wait_for
+from localcluster.controlplane import A100, REPO, gateway_api_crds
 
 pytestmark = pytest.mark.e2e
 
@@ -444,6 +444,78 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
     wait_for(lambda: spec_replicas() == 2, 60, "the HPA controller raising spec.runtime.replicas to its minimum")
     wait_for(lambda: len([p for p in runtime_pods(api, namespace) if ready(p)]) == 2, 120, "2 pods Ready")
     kubectl("get", "hpa", "iris", "-n", namespace, show=True)
+
+
+# ------------------------------------------------------------------------ traffic: Gateway API HTTPRoutes
+
+HTTPROUTES = "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes"
+JSON_PATCH = "application/json-patch+json"
+
+
+def httproute(namespace: str, model: str, stable: int, canary: int) -> dict:
+    """A user's route to a model during a canary: its Service and the canary's, weighted."""
+    return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": model, "namespace": namespace},
+            "spec": {"parentRefs": [{"name": "inference"}],
+                     "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": f"/v2/models/{model}"}}],
+                                "backendRefs": [{"name": model, "port": builders.SERVICE_PORT, "weight": stable},
+                                                {"name": f"{model}-canary", "port": builders.SERVICE_PORT,
+                                                 "weight": canary}]}]}}
+
+
+def backend_weights(route: dict) -> list[tuple[str, int]]:
+    return [(ref["name"], ref["weight"]) for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+
+
+def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_bad_ones(
+        cluster, api, namespace, tmp_path):
+    # The standard channel of sigs.k8s.io/gateway-api at the version the build script pins.
+    crd = api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/httproutes.gateway.networking.k8s.io")
+    annotations = crd["metadata"]["annotations"]
+    assert annotations["gateway.networking.k8s.io/channel"] == "standard"
+    assert f"gateway-api-{annotations['gateway.networking.k8s.io/bundle-version']}" == gateway_api_crds().parent.name
+    # No Gateway controller runs here: the API server checks the route (schema and CEL), nothing routes it.
+    model, canary = "iris", "iris-canary"
+    routes, path = HTTPROUTES.format(ns=namespace), HTTPROUTES.format(ns=namespace) + "/iris"
+    api.request("POST", routes, httproute(namespace, model, 90, 10))  # the user's route; Kiln never creates one
+
+    operator = Api(cluster.service_account_kubeconfig(RELEASE_NAMESPACE, OPERATOR_SA, tmp_path / "sa.kubeconfig"))
+    assert [r["metadata"]["name"] for r in operator.items(routes)] == [model]
+    route = operator.get(path)
+    assert backend_weights(route) == [(model, 90), (canary, 10)]
+    operator.request("PATCH", path, builders.httproute_weights_patch(route, {model: 50, canary: 50}), JSON_PATCH)
+    assert backend_weights(operator.get(path)) == [(model, 50), (canary, 50)]
+
+    # A route whose refs moved since it was read: the patch's tests fail it whole, nothing is written.
+    stale = operator.get(path)
+    moved = httproute(namespace, model, 50, 50)["spec"]
+    moved["rules"][0]["backendRefs"].reverse()
+    api.request("PATCH", path, {"spec": moved}, "application/merge-patch+json")
+    with pytest.raises(operator.ApiError) as refused:
+        operator.request("PATCH", path, builders.httproute_weights_patch(stale, {model: 0, canary: 100}), JSON_PATCH)
+    assert refused.value.status == 422, refused.value
+    assert backend_weights(operator.get(path)) == [(canary, 50), (model, 50)]
+
+    # Weights out of the CRD's range are refused with its message.
+    route = operator.get(path)
+    for weight, message in [(-1, "should be greater than or equal to 0"),
+                            (1000001, "should be less than or equal to 1000000")]:
+        with pytest.raises(operator.ApiError) as refused:
+            operator.request("PATCH", path, builders.httproute_weights_patch(route, {canary: weight}), JSON_PATCH)
+        assert refused.value.status == 422 and "spec.rules[0].backendRefs[0].weight" in refused.value.message
+        assert message in refused.value.message, refused.value.message
+    # The CRD's CEL rules run too: a Service backend needs a port.
+    portless = httproute(namespace, "portless", 90, 10)
+    del portless["spec"]["rules"][0]["backendRefs"][1]["port"]
+    with pytest.raises(api.ApiError) as refused:
+        api.request("POST", routes, portless)
+    assert "Must have port for Service reference" in refused.value.message, refused.value.message
+
+    # The chart grants get/list/watch/patch on routes, no more.
+    for method, target, body in [("POST", routes, httproute(namespace, "other", 1, 1)), ("DELETE", path, None)]:
+        with pytest.raises(operator.ApiError) as forbidden:
+            operator.request(method, target, body)
+        assert forbidden.value.status == 403, forbidden.value
 
 
 # ------------------------------------------------------------------------ upgrade and uninstall

@@ -1,6 +1,7 @@
 """Kiln on a real Kubernetes control plane on one machine: upstream kube-apiserver,
 controller-manager and scheduler, etcd, kwok's fake GPU nodes, the kubelet harness for the
-pods that do real work, and Kiln installed from its own chart with the real helm.
+pods that do real work, the Gateway API's CRDs (standard channel), and Kiln installed from
+its own chart with the real helm.
 
 Used by the real tier of the tests (tests/e2e) and by `make cluster` (`python -m localcluster`).
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from .controlplane import REPO, ControlPlane, binaries, gpu_cluster_nodes, write_kubeconfig
+from .controlplane import REPO, ControlPlane, binaries, gateway_api_crds, gpu_cluster_nodes, write_kubeconfig
 from .kubelet import Kubelet
 
 RELEASE, RELEASE_NAMESPACE = "kiln", "kiln-system"
@@ -41,6 +42,8 @@ class LocalCluster:
         try:
             self.control_plane = ControlPlane(self.root, binaries())
             self.control_plane.start(gpu_cluster_nodes())
+            # Before the chart: a cluster with the Gateway API, where Kiln patches HTTPRoutes.
+            self.control_plane.install_crds(gateway_api_crds())
             self.kubelet = Kubelet(self.kubeconfig, self.root, self.control_plane.api_port).start()
             if install:
                 self.helm("install", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,

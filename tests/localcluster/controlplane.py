@@ -89,14 +89,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BUILD_SCRIPT = REPO / "hack" / "build_controlplane.py"
+
+
 def binaries() -> dict[str, Path]:
-    """name -> path, from the folders the build script reports (built first if missing)."""
-    script = REPO / "hack" / "build_controlplane.py"
+    """name -> path, from the folders the build script reports (built first if missing; the
+    Gateway API CRDs are fetched with them)."""
     tools = REPO / ".tools"
-    subprocess.run(["python3", str(script), "--dest", str(tools)], check=True)
-    dirs = subprocess.run(["python3", str(script), "--dest", str(tools), "--print-dirs"], check=True,
+    subprocess.run(["python3", str(BUILD_SCRIPT), "--dest", str(tools)], check=True)
+    dirs = subprocess.run(["python3", str(BUILD_SCRIPT), "--dest", str(tools), "--print-dirs"], check=True,
                           stdout=subprocess.PIPE, text=True).stdout.split()
     return {p.name: p for d in dirs for p in Path(d).iterdir()}
+
+
+def gateway_api_crds() -> Path:
+    """The folder of the Gateway API's standard channel (sigs.k8s.io/gateway-api), which the
+    build script fetches with the binaries."""
+    folder = Path(subprocess.run(["python3", str(BUILD_SCRIPT), "--dest", str(REPO / ".tools"), "--print-crds"],
+                                 check=True, stdout=subprocess.PIPE, text=True).stdout.strip())
+    if not any(folder.glob("*.yaml")):
+        raise StartError(f"no Gateway API CRDs in {folder}: run hack/build_controlplane.py (make controlplane)")
+    return folder
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: Path | None = None, key: Path | None = None,
@@ -267,6 +280,19 @@ class ControlPlane:
         return subprocess.run([str(self.bins["kubectl"]), f"--kubeconfig={kubeconfig or self.admin_kubeconfig}",
                                *args], check=check, text=True, input=input,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+
+    def install_crds(self, folder: Path, timeout: float = 60) -> list[str]:
+        """Apply every manifest in `folder` and wait until each CRD among them is Established.
+        Server-side: client-side apply's last-applied annotation cannot hold CRDs this large."""
+        applied = self.kubectl("apply", "--server-side", "-f", str(folder), "-o", "name", check=False)
+        if applied.returncode != 0:
+            raise StartError(f"kubectl apply --server-side -f {folder} failed:\n{applied.stderr}")
+        crds = [name for name in applied.stdout.split() if name.startswith("customresourcedefinition.")]
+        established = self.kubectl("wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", *crds,
+                                   check=False)
+        if established.returncode != 0:
+            raise StartError(f"CRDs from {folder} not Established after {timeout:.0f} s:\n{established.stderr}")
+        return crds
 
     def create_nodes(self, nodes: list[dict[str, Any]]) -> None:
         self.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(n) for n in nodes))
