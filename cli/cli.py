@@ -4,6 +4,7 @@
     kiln build      build one engine and publish it into the cache (build Job)
     kiln serve      serve a cached engine over the Open Inference Protocol (runtime pod)
     kiln dev        build and serve an InferenceModel manifest on this machine
+    kiln rollout    show, promote or abort an InferenceModel's canary rollout
 
 Each subcommand's implementation is imported only when it runs, so the operator image
 needs neither ONNX Runtime nor TensorRT, and the runtime image needs no kopf.
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "build": "kiln.runtime.build",
     "serve": "kiln.runtime.serve",
     "dev": "kiln.runtime.dev",
+    "rollout": "kiln.operator.rollout_cli",
 }
 
 

@@ -10,7 +10,7 @@ KILN = Path(sys.executable).with_name("kiln")
 
 def test_kiln_lists_every_subcommand():
     out = subprocess.run([KILN, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("operator", "build", "serve", "dev"):
+    for command in ("operator", "build", "serve", "dev", "rollout"):
         assert f"    {command} " in out
 
 
