@@ -406,17 +406,25 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
     }
 
 
-def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+def gateway_api(spec: Mapping[str, Any]) -> bool:
+    """Traffic split by an HTTPRoute's weights (else by replica ratio behind one Service)."""
+    return ((spec.get("rollout") or {}).get("traffic") or {}).get("mechanism") == "GatewayAPI"
+
+
+def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any], track: str = STABLE) -> dict[str, Any]:
+    """The model's Service `<model>`: every runtime pod, or with the Gateway API the stable
+    track's only, beside `<model>-canary` for the canary's (the HTTPRoute weighs the two)."""
     meta = model["metadata"]
     name = meta["name"]
+    selector = {LABEL_MODEL: name, **({LABEL_TRACK: track} if gateway_api(spec) else {})}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": meta["namespace"],
+        "metadata": {"name": name if track == STABLE else f"{name}-canary", "namespace": meta["namespace"],
                      "labels": {LABEL_MODEL: name, "app.kubernetes.io/name": "kiln-runtime",
                                 "app.kubernetes.io/instance": name, **MANAGED_BY},
                      "ownerReferences": [owner_reference(model)]},
-        "spec": {"type": "ClusterIP", "selector": {LABEL_MODEL: name},
+        "spec": {"type": "ClusterIP", "selector": selector,
                  "ports": [{"name": RUNTIME_PORT_NAME, "port": SERVICE_PORT, "targetPort": RUNTIME_PORT_NAME,
                             "protocol": "TCP"}]},
     }

@@ -28,6 +28,7 @@ from kiln.runtime.contract import API_VERSION, KIND, PLURAL
 logger = logging.getLogger("kiln.operator.kube")
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 POOL_SIZE = 32  # connections to the API server, and threads that make the calls
 
 # kind -> (apiVersion, plural, namespaced) for everything the operator writes or reads.
@@ -39,6 +40,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Service": ("v1", "services", True),
     "ConfigMap": ("v1", "configmaps", True),
     "Event": ("v1", "events", True),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes", True),
 }
 
 
@@ -158,10 +160,13 @@ class Kube:
             raise ApiError(409, "Conflict", f"{obj['kind']} {meta['name']} exists but could not be read")
         return existing, False
 
-    async def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any],
+    async def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any] | list[dict[str, Any]],
                     subresource: str | None = None) -> dict[str, Any]:
-        return await self.request("PATCH", path_for(kind, namespace, name, subresource), body=dict(patch),
-                                  content_type=MERGE_PATCH)
+        """A merge patch (a mapping), or a JSON Patch (a list of operations)."""
+        json_patch = isinstance(patch, list)
+        return await self.request("PATCH", path_for(kind, namespace, name, subresource),
+                                  body=list(patch) if json_patch else dict(patch),
+                                  content_type=JSON_PATCH if json_patch else MERGE_PATCH)
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}

@@ -32,8 +32,7 @@ from kiln.runtime import contract
 
 OWNS = Owns(conditions=("Progressing",), fields=("engineKey", "stable", "canary", "rollback"),
             sticky=("canary", "rollback"))
-# Outside kopf's kiln.dev/ prefix, which its diffs leave out: a change of it is an event.
-ANN_ACTION = "rollout.kiln.dev/action"
+ANN_ACTION = contract.ANN_ROLLOUT_ACTION
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,8 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from kiln.runtime.contract import KIND
+from kiln.runtime.contract import ANN_ROLLOUT_ACTION as ANN_ACTION, KIND
 
-# The contract with the operator's rollout step. TODO(issue 10): one home, imported by both
-# halves, once the operator side lands (runtime/contract.py holds Kiln's other annotations).
-ANN_ACTION = "rollout.kiln.dev/action"
 ACTIONS = ("promote", "abort")
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2

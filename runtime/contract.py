@@ -34,6 +34,9 @@ ANN_GENERATION = "kiln.dev/generation"  # build Jobs: that model's generation
 ANN_MODEL_VERSION = "kiln.dev/model-version"
 ANN_APPLIED = "kiln.dev/applied"  # JSON of the manifest Kiln last applied (for 3-way patches)
 ANN_APPLIED_HASH = "kiln.dev/applied-hash"  # its hash: unchanged hash, no write
+# InferenceModels: `kiln rollout promote|abort` asks, the rollout step takes and removes it.
+# Outside kopf's kiln.dev/ prefix, which its diffs leave out: setting it is an event.
+ANN_ROLLOUT_ACTION = "rollout.kiln.dev/action"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln", "app.kubernetes.io/part-of": "kiln"}
 
 ENGINE_INDEX = "kiln-engine-index"  # ConfigMap per namespace: "<key>.<target>" -> build result JSON
