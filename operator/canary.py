@@ -110,8 +110,8 @@ def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bo
                            f"({s['analysisFailures']} of {policy.failure_limit} tolerated)"))
 
     if not s.get("stepStartedAt"):
-        if canary_ready < canary_target:
-            return Plan(desired_key, False, s, None, tuple(events))  # a Deployment event brings the next call
+        if canary_ready < canary_target:  # a Deployment event brings the next call; look again anyway
+            return Plan(desired_key, False, s, None, tuple(events), look_again=policy.interval)
         s["stepStartedAt"], s["weight"] = sig.format_time(now), s["targetWeight"]
     started = sig.parse_time(s["stepStartedAt"])
     in_step = (now - started).total_seconds()
@@ -130,7 +130,8 @@ def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bo
                 s["phase"] = PROGRESSING
                 events.append(("Normal", "RolloutStep", f"step {s['step'] + 1} of {len(policy.steps)}: canary to "
                                f"{s['targetWeight']}% of traffic"))
-                return Plan(desired_key, False, s, None, tuple(events))
+                # Look again soon: the step's pods may be Ready already (no Deployment event comes).
+                return Plan(desired_key, False, s, None, tuple(events), look_again=1.0)
             s["phase"] = PROMOTING
             events.append(("Normal", "Promoting", f"every step passed: engine {desired_key} becomes stable"))
             return Plan(desired_key, True, s, None, tuple(events))

@@ -102,6 +102,8 @@ async def _write_status(ctx: Context, model: Mapping[str, Any], previous: Mappin
         for k in OWNED_STATUS:
             if k not in status and (k in server or k in previous):
                 patch[k] = None
+        for old in (server, previous):  # a merge patch keeps what it does not name: name what went
+            _null_removed(patch, old, status)
         try:
             await ctx.kube.patch(contract.KIND, meta["namespace"], meta["name"], {"status": patch},
                                  subresource="status")
@@ -110,6 +112,18 @@ async def _write_status(ctx: Context, model: Mapping[str, Any], previous: Mappin
                 return  # deleted meanwhile
             raise
     ctx.last_status[meta["uid"]] = status
+
+
+def _null_removed(patch: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Set to null, in `patch`, the keys of nested objects that `old` has and `new` has not
+    (status.canary.stepStartedAt when a step ends), as a merge patch removes them."""
+    for k, value in new.items():
+        before = old.get(k)
+        if isinstance(value, dict) and isinstance(before, dict) and isinstance(patch.get(k), dict):
+            patch[k] = dict(patch[k])
+            for gone in set(before) - set(value):
+                patch[k][gone] = None
+            _null_removed(patch[k], before, value)
 
 
 async def _post_events(ctx: Context, model: Mapping[str, Any], events: list[Event]) -> None:

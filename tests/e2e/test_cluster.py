@@ -518,6 +518,112 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
         assert forbidden.value.status == 403, forbidden.value
 
 
+# ------------------------------------------------------------------------ canary rollouts, analyzed
+
+def slow_version(directory: Path, version: str) -> Path:
+    """The demo model's answers behind a needless 20-layer MLP (times zero): the same outputs,
+    about a hundred times the latency - a version that is worse the way a bad build is."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(DEMO_MODEL))
+    g, rng, width = model.graph, np.random.default_rng(7), 1024
+    layers, x = [], "features"
+    for i, (rows, cols) in enumerate([(4, width)] + [(width, width)] * 20 + [(width, 3)]):
+        g.initializer.append(numpy_helper.from_array(rng.standard_normal((rows, cols)).astype(np.float32), f"w{i}"))
+        layers += [onnx.helper.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]),
+                   onnx.helper.make_node("Tanh", [f"h{i}"], [f"t{i}"])]
+        x = f"t{i}"
+    g.initializer.append(numpy_helper.from_array(np.zeros((1,), np.float32), "zero"))
+    layers += [onnx.helper.make_node("Mul", [x, "zero"], ["nothing"])]
+    scores = next(n for n in g.node if n.op_type == "Add").output[0]
+    for n in g.node:  # the outputs read the scores plus nothing
+        n.input[:] = [f"{scores}_slow" if i == scores else i for i in n.input]
+    g.node.extend(layers + [onnx.helper.make_node("Add", [scores, "nothing"], [f"{scores}_slow"])])
+    onnx.helper.set_model_props(model, {"version": version})
+    path = directory / "iris" / version / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(cluster, api, kubectl, namespace,
+                                                                            transcript, tmp_path):
+    """Real `kiln serve` pods of each version under load, scraped by a real Prometheus that
+    the operator queries at every step; the HTTPRoute's weights follow the steps."""
+    import time
+
+    import monitoring
+    from localcluster import PROMETHEUS_PORT
+
+    if monitoring.unavailable():
+        pytest.skip(monitoring.unavailable())
+    transcript.section("A canary rollout, analyzed at every step")
+    claim(api, namespace, "kiln-engine-cache")
+    claim(api, namespace, "models", "ReadOnlyMany")
+    models = claim_directory(cluster, api, namespace, "models")
+    rollout = {"strategy": "Canary", "steps": [{"weight": 25, "pauseSeconds": 3}, {"weight": 50, "pauseSeconds": 3}],
+               "analysis": {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": 0.05, "maxLatencyRatio": 3},
+               "traffic": {"mechanism": "GatewayAPI", "httpRoute": "iris"}}
+    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+             "metadata": {"name": "iris", "namespace": namespace},
+             "spec": {"parentRefs": [{"name": "shared-gateway"}], "rules": [{"backendRefs": [
+                 {"name": "iris", "port": 8080, "weight": 100}, {"name": "iris-canary", "port": 8080, "weight": 0}]}]}}
+    kubectl("apply", "-f", "-", input=json.dumps(route))
+    weights = lambda: {r["name"]: r["weight"] for r in api.get(  # noqa: E731
+        f"/apis/gateway.networking.k8s.io/v1/namespaces/{namespace}/httproutes/iris")["spec"]["rules"][0]["backendRefs"]}
+    apply = lambda version, path: kubectl("apply", "-f", "-", input=json.dumps(  # noqa: E731
+        iris(namespace, version, sha256(path), replicas=2, rollout=rollout)))
+    apply("1", model_version(models, "1"))
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180, "version 1 Ready")
+
+    discovery = monitoring.PodDiscovery(cluster.control_plane.server, [namespace], ca_file=str(cluster.control_plane.ca),
+                                        cert_file=str(cluster.control_plane.root / "pki" / "admin.crt"),
+                                        key_file=str(cluster.control_plane.root / "pki" / "admin.key")).start()
+    prom = monitoring.Prometheus(tmp_path / "prom", scrape_configs=[monitoring.pod_http_sd_scrape_config(discovery.url)])
+    prom.port = PROMETHEUS_PORT  # where the chart's --prometheus-url points (tests/localcluster)
+    status = lambda: api.status(namespace, "iris")  # noqa: E731
+    try:
+        prom.start()
+        with Load(api, namespace):
+            prom.wait_for(f'kiln_requests_total{{namespace="{namespace}"}}', timeout=60)
+
+            # A good version: every step analyzed and passed, the route's weights follow, promoted.
+            apply("2", model_version(models, "2"))
+            seen_weights = set()
+            def promoted() -> bool:
+                seen_weights.add(weights()["iris-canary"])
+                st = status()
+                return st.get("stable", {}).get("version") == "2" and not st.get("canary")
+            wait_for(promoted, 240, "version 2 promoted through both steps")
+            assert {25, 50} <= seen_weights and weights() == {"iris": 100, "iris-canary": 0}
+            reasons = [e["reason"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
+                       if e["involvedObject"]["kind"] == "InferenceModel"]
+            assert {"RolloutStarted", "RolloutStep", "Promoting", "Promoted", "TrafficShifted"} <= set(reasons)
+            wait_for(lambda: not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary"), 60,
+                     "the canary Deployment gone")
+            kubectl("get", "inferencemodel", "iris", "-n", namespace, show=True)
+
+            # A slow version: its p99 latency against stable's fails the first analysis: rolled back.
+            good_key = status()["engineKey"]
+            apply("3", slow_version(models, "3"))
+            st = wait_for(lambda: status().get("rollback") and status(), 240, "version 3 rolled back")
+            assert "latency-p99-ratio" in st["rollback"]["reason"] and st["engineKey"] == good_key
+            assert (st["stable"]["version"], weights()) == ("2", {"iris": 100, "iris-canary": 0})
+            conditions = {c["type"]: c for c in st["conditions"]}
+            assert conditions["Degraded"]["reason"] == "RolledBack"
+            wait_for(lambda: not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary"), 60,
+                     "the canary removed")
+            time.sleep(3)
+            assert not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary")  # not retried
+        kubectl("get", "inferencemodel", "iris", "-n", namespace, show=True)
+        kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
+                "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message", show=True)
+    finally:
+        prom.stop()
+        discovery.stop()
+
+
 # ------------------------------------------------------------------------ upgrade and uninstall
 
 def test_helm_upgrade_rolls_the_operator_and_uninstall_keeps_the_crd(cluster, api, kubectl, transcript):

@@ -24,7 +24,11 @@ HELM = REPO / ".tools" / "helm"
 # The operator's health and alert receiver ports: every pod shares the host's network here,
 # and runtime pods take 8080 on their own addresses, so the operator's wildcard listeners go
 # elsewhere.
-INSTALL_VALUES = {"operator": {"healthPort": 18080}, "autoscaling": {"receiver": {"port": 18081}}}
+# Canary analysis: the Prometheus a test starts on PROMETHEUS_PORT (none runs there otherwise,
+# so a rollout with checks waits, as it would without one).
+PROMETHEUS_PORT = 18090
+INSTALL_VALUES = {"operator": {"healthPort": 18080, "prometheusUrl": f"http://127.0.0.1:{PROMETHEUS_PORT}"},
+                  "autoscaling": {"receiver": {"port": 18081}}}
 
 
 class LocalCluster:
