@@ -537,9 +537,13 @@ def slow_version(directory: Path, version: str) -> Path:
     g.initializer.append(numpy_helper.from_array(np.zeros((1,), np.float32), "zero"))
     layers += [onnx.helper.make_node("Mul", [x, "zero"], ["nothing"])]
     scores = next(n for n in g.node if n.op_type == "Add").output[0]
-    for n in g.node:  # the outputs read the scores plus nothing
+    first = [n for n in g.node if n.op_type in ("MatMul", "Add")]
+    last = [n for n in g.node if n.op_type not in ("MatMul", "Add")]
+    for n in last:  # the outputs read the scores plus nothing
         n.input[:] = [f"{scores}_slow" if i == scores else i for i in n.input]
-    g.node.extend(layers + [onnx.helper.make_node("Add", [scores, "nothing"], [f"{scores}_slow"])])
+    nodes = first + layers + [onnx.helper.make_node("Add", [scores, "nothing"], [f"{scores}_slow"])] + last
+    del g.node[:]
+    g.node.extend(nodes)  # in topological order, as the ONNX checker (kiln build) requires
     onnx.helper.set_model_props(model, {"version": version})
     path = directory / "iris" / version / "model.onnx"
     path.parent.mkdir(parents=True, exist_ok=True)
