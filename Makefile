@@ -65,11 +65,11 @@ test: install tools monitoring-tools controlplane
 	PATH=$(CURDIR)/$(TOOLS):$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
 
 # Only the real tier (tests/e2e): the control plane, helm install, real builds and pods.
-test-e2e: install tools controlplane
+test-e2e: install tools monitoring-tools controlplane
 	$(BIN)/pytest -q -m e2e tests/e2e
 
 # docs/e2e.md's kubectl sessions, captured from a run of the real tier.
-e2e-docs: install tools controlplane
+e2e-docs: install tools monitoring-tools controlplane
 	KILN_E2E_TRANSCRIPT=$(CURDIR)/docs/e2e.md $(BIN)/pytest -q -m e2e tests/e2e
 
 # A local control plane with Kiln installed from the chart, left running; prints the KUBECONFIG.
