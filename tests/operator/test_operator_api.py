@@ -634,3 +634,24 @@ def test_no_data_pauses_the_rollout_and_abort_by_hand_rolls_it_back(api, operato
     assert "by hand" in st["rollback"]["reason"]
     meta = api.get("InferenceModel", ns, name)["metadata"]
     assert "rollout.kiln.dev/action" not in (meta.get("annotations") or {})  # taken
+
+
+def test_a_newer_version_supersedes_a_running_rollout(api, operator, prometheus):
+    needs_prometheus(prometheus)
+    ns, name = "canary-superseded", "moving"
+    old, v2 = serving_then_version_2(api, ns, name, canary_model(ns, name, {
+        "name": "gpu", "query": 'kiln_no_such_metric{model="{{model}}"}', "max": 1}))  # v2 holds: no data
+    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "v2's canary")
+    roll_out_track(api, ns, b.runtime_name(name, b.CANARY))
+    api.wait(lambda: (status(api, ns, name).get("canary") or {}).get("phase") == "Paused", 15, "v2 paused")
+    api.patch("InferenceModel", ns, name, {"spec": {"model": {"version": "3"}}})
+    v3_job = api.wait(lambda: [j for j in jobs(api, ns) if request_of(j)["model"]["version"] == "3"], 10)[0]
+    # Until v3's engines exist no canary runs: v2's goes at once, stable keeps serving.
+    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 10, "v2's canary removed")
+    assert "RolloutSuperseded" in [e["reason"] for e in api.events(ns, name)]
+    assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
+        b.LABEL_ENGINE_KEY] == old
+    finish_job(api, v3_job)
+    canary = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "v3's canary")
+    assert canary["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == request_of(v3_job)["key"] != v2
+    assert status(api, ns, name)["canary"]["version"] == "3"
