@@ -601,9 +601,9 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
                 return st.get("stable", {}).get("version") == "2" and not st.get("canary")
             wait_for(promoted, 240, "version 2 promoted through both steps")
             assert {25, 50} <= seen_weights and weights() == {"iris": 100, "iris-canary": 0}
-            reasons = [e["reason"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
-                       if e["involvedObject"]["kind"] == "InferenceModel"]
-            assert {"RolloutStarted", "RolloutStep", "Promoting", "Promoted", "TrafficShifted"} <= set(reasons)
+            wait_for(lambda: {"RolloutStarted", "RolloutStep", "Promoting", "Promoted", "TrafficShifted"} <= {
+                e["reason"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
+                if e["involvedObject"]["kind"] == "InferenceModel"}, 30, "the rollout's Events")
             wait_for(lambda: not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary"), 60,
                      "the canary Deployment gone")
             kubectl("get", "inferencemodel", "iris", "-n", namespace, show=True)

@@ -591,8 +591,8 @@ def test_a_canary_that_passes_its_analysis_is_promoted(api, operator, prometheus
     api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 10, "the canary removed")
     st = api.wait(lambda: not status(api, ns, name).get("canary") and status(api, ns, name), 10, "canary status gone")
     assert (st["engineKey"], st["stable"]["version"]) == (new, "2")
-    seen = [e["reason"] for e in api.events(ns, name)]
-    assert {"RolloutStarted", "Promoting", "Promoted", "CanaryRemoved"} <= set(seen)
+    api.wait(lambda: {"RolloutStarted", "Promoting", "Promoted", "CanaryRemoved"} <= {
+        e["reason"] for e in api.events(ns, name)}, 5, "the rollout's Events")
 
 
 def test_a_canary_that_fails_its_analysis_is_rolled_back_and_not_retried(api, operator, prometheus):
@@ -607,7 +607,7 @@ def test_a_canary_that_fails_its_analysis_is_rolled_back_and_not_retried(api, op
     assert st["rollback"]["engineKey"] == new and "errors = 0.5" in st["rollback"]["reason"]
     assert (condition(st, "Degraded")["reason"], condition(st, "Progressing")["reason"]) == ("RolledBack", "RolledBack")
     assert st["engineKey"] == old and not st.get("canary")
-    [warning] = [e for e in api.events(ns, name) if e["reason"] == "RolledBack"]
+    [warning] = api.wait(lambda: [e for e in api.events(ns, name) if e["reason"] == "RolledBack"], 5, "the Warning")
     assert warning["type"] == "Warning" and "vector(0.5)" in warning["message"] and "max 0.05" in warning["message"]
     assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 2  # all traffic on stable
     import time
@@ -648,7 +648,7 @@ def test_a_newer_version_supersedes_a_running_rollout(api, operator, prometheus)
     v3_job = api.wait(lambda: [j for j in jobs(api, ns) if request_of(j)["model"]["version"] == "3"], 10)[0]
     # Until v3's engines exist no canary runs: v2's goes at once, stable keeps serving.
     api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 10, "v2's canary removed")
-    assert "RolloutSuperseded" in [e["reason"] for e in api.events(ns, name)]
+    api.wait(lambda: "RolloutSuperseded" in [e["reason"] for e in api.events(ns, name)], 5, "the Event")
     assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
         b.LABEL_ENGINE_KEY] == old
     finish_job(api, v3_job)
