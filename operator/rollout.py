@@ -27,6 +27,7 @@ from kiln.operator import analysis as an
 from kiln.operator import builders
 from kiln.operator import canary as cn
 from kiln.operator.engines import EngineObservation
+from kiln.operator.kube import ApiError
 from kiln.operator.steps import Condition, Owns, Pass, StepResult
 from kiln.runtime import contract
 
@@ -91,9 +92,13 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
     policy = cn.Policy.from_spec(p.spec.get("rollout") or {})
     canary_live = builders.observe_deployment(p.views.deployment(p.ns, builders.runtime_name(p.name, builders.CANARY)))
     target_weight = int((state or {}).get("targetWeight") or policy.steps[0][0])
+    target = cn.canary_replicas(total, target_weight, policy.canary_min)
+    canary_ready = canary_live.ready if canary_live.engine_key == desired else 0
+    if (builders.gateway_api(p.spec) and state and state.get("engineKey") == desired and not state.get("stepStartedAt")
+            and canary_ready >= target and not await shift_traffic(p, target_weight)):
+        canary_ready = 0  # the pods are there, the route's weight is not: the step's clock waits
     args = dict(desired_key=desired, version=p.version, engines_ready=ready, rollback=p.previous.get("rollback"),
-                canary_ready=canary_live.ready if canary_live.engine_key == desired else 0,
-                canary_target=cn.canary_replicas(total, target_weight, policy.canary_min),
+                canary_ready=canary_ready, canary_target=target,
                 stable_done=serving.engine_key == desired and serving.rolled_out and serving.ready >= total,
                 action=await take_action(p), now=p.ctx.clock())
     plan = cn.advance(policy, state=state, outcome=None, **args)
@@ -102,6 +107,8 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
         plan = cn.advance(policy, state=plan.state, outcome=outcome, **{**args, "action": None})
     for event in plan.events:
         p.record(*event)
+    if plan.canary_key is None and builders.gateway_api(p.spec):
+        await shift_traffic(p, 0)  # rolled back, promoted, or nothing yet: all on stable
     s = plan.state
     weight = int(s["weight"]) if s else 0
     canary_track = track(p, observed, builders.CANARY) if plan.canary_key else None
@@ -199,3 +206,25 @@ def stable_status(p: Pass, tracks: Tracks, live: Mapping[str, Any] | None) -> di
         return {"engineKey": p.engines[0].key} if p.engines else {}
     return {"engineKey": key, "stable": {"version": version, "engineKey": key, "weight": 100 - tracks.weight,
                                          "replicas": dep.replicas, "readyReplicas": dep.ready}}
+
+
+async def shift_traffic(p: Pass, weight: int) -> bool:
+    """The HTTPRoute's weights: `<model>` 100 - weight, `<model>-canary` weight. Written when
+    they change (remembered per route; a restart reads and writes them once). False when the
+    write failed: the weight is not in effect, and the step's clock does not start."""
+    route = ((p.spec.get("rollout") or {}).get("traffic") or {}).get("httpRoute")
+    key = (p.ns, route)
+    if not route or p.ctx.route_weights.get(key) == weight:
+        return True
+    try:
+        live = await p.ctx.kube.get("HTTPRoute", p.ns, route)
+        if live is None:
+            raise ValueError(f"HTTPRoute {p.ns}/{route} does not exist")
+        await p.ctx.kube.patch("HTTPRoute", p.ns, route, builders.httproute_weights_patch(
+            live, {p.name: 100 - weight, f"{p.name}-canary": weight}))
+    except (ValueError, ApiError) as e:
+        p.record("Warning", "TrafficNotShifted", f"canary weight {weight}% not set on the HTTPRoute: {e}")
+        return False
+    p.ctx.route_weights[key] = weight
+    p.record("Normal", "TrafficShifted", f"HTTPRoute {route}: {p.name} {100 - weight}, {p.name}-canary {weight}")
+    return True

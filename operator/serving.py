@@ -17,7 +17,6 @@ from typing import Any, Mapping
 from kiln.operator import builders
 from kiln.operator import conditions as cond
 from kiln.operator.rollout import Track, Tracks
-from kiln.operator.kube import ApiError
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
 
 OWNS = Owns(conditions=("Available", "Degraded"), fields=("replicas", "readyReplicas", "selector"))
@@ -42,8 +41,6 @@ async def step(p: Pass) -> StepResult:
             await p.ctx.kube.delete("Deployment", p.ns, canary["metadata"]["name"])
             p.record("Normal", "CanaryRemoved", f"deleted Deployment {canary['metadata']['name']}")
             canary = None
-        if builders.gateway_api(p.spec) and dep is not None:
-            await shift_traffic(p, tracks.weight if tracks.canary is not None else 0)
     seen, seen_canary = builders.observe_deployment(dep), builders.observe_deployment(canary)
     failed = any(o.state == "Failed" for o in p.out["engines"])
     conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists),
@@ -166,23 +163,3 @@ async def apply_service(p: Pass, track: str = builders.STABLE) -> None:
         svc, _ = await p.ctx.kube.create(builders.with_applied(desired))
     if (svc["metadata"].get("annotations") or {}).get(builders.ANN_APPLIED_HASH) != builders.manifest_hash(desired):
         await p.ctx.kube.patch("Service", p.ns, name, builders.with_applied(desired))
-
-
-async def shift_traffic(p: Pass, weight: int) -> None:
-    """The HTTPRoute's weights: `<model>` 100 - weight, `<model>-canary` weight. Written when
-    they change (remembered per route; a restart reads and writes them once)."""
-    route = ((p.spec.get("rollout") or {}).get("traffic") or {}).get("httpRoute")
-    key = (p.ns, route)
-    if not route or p.ctx.route_weights.get(key) == weight:
-        return
-    try:
-        live = await p.ctx.kube.get("HTTPRoute", p.ns, route)
-        if live is None:
-            raise ValueError(f"HTTPRoute {p.ns}/{route} does not exist")
-        await p.ctx.kube.patch("HTTPRoute", p.ns, route, builders.httproute_weights_patch(
-            live, {p.name: 100 - weight, f"{p.name}-canary": weight}))
-    except (ValueError, ApiError) as e:
-        p.record("Warning", "TrafficNotShifted", f"canary weight {weight}% not set on the HTTPRoute: {e}")
-        return
-    p.ctx.route_weights[key] = weight
-    p.record("Normal", "TrafficShifted", f"HTTPRoute {route}: {p.name} {100 - weight}, {p.name}-canary {weight}")
