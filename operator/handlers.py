@@ -191,13 +191,19 @@ async def on_model(body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
     await reconcile.reconcile(memo.ctx, dict(body), views(kw))
 
 
-async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
-    """The timer: the same reconcile; failures are logged and left to the next tick."""
+async def _reconcile_quietly(body: Mapping[str, Any], memo: Any, kw: Mapping[str, Any], log: logging.Logger,
+                             why: str) -> None:
+    """Reconcile from a handler kopf does not retry: failures are logged, the next event or tick retries."""
     _seen(memo, kw)
     try:
         await reconcile.reconcile(memo.ctx, dict(body), views(kw))
     except (kopf.TemporaryError, kopf.PermanentError) as e:
-        logger.debug(f"resync: {e}")
+        log.debug(f"reconcile after {why}: {e}")
+
+
+async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
+    """The timer: the same reconcile; failures are logged and left to the next tick."""
+    await _reconcile_quietly(body, memo, kw, logger, "the resync timer")
 
 
 async def on_scaling_signal(uid: str, body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
@@ -207,20 +213,12 @@ async def on_scaling_signal(uid: str, body: Mapping[str, Any], memo: Any, logger
     if memo.ctx.signals_seen.get(uid) == text:
         return  # another change of the model (its status, kopf's annotations)
     memo.ctx.signals_seen[uid] = text
-    _seen(memo, kw)
-    try:
-        await reconcile.reconcile(memo.ctx, dict(body), views(kw))
-    except (kopf.TemporaryError, kopf.PermanentError) as e:
-        logger.debug(f"reconcile after a scaling signal: {e}")
+    await _reconcile_quietly(body, memo, kw, logger, "a scaling signal")
 
 
 async def on_rollout_action(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
     """`kiln rollout promote|abort` set the action annotation: reconcile now (it takes and removes it)."""
-    _seen(memo, kw)
-    try:
-        await reconcile.reconcile(memo.ctx, dict(body), views(kw))
-    except (kopf.TemporaryError, kopf.PermanentError) as e:
-        logger.debug(f"reconcile after a rollout action: {e}")
+    await _reconcile_quietly(body, memo, kw, logger, "a rollout action")
 
 
 async def on_model_deleted(namespace: str, name: str, uid: str, memo: Any, **_: Any) -> None:

@@ -185,9 +185,7 @@ def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, n
     import onnxruntime
 
     transcript.section("A model from apply to Ready")
-    claim(api, namespace, "kiln-engine-cache")
-    claim(api, namespace, "models", "ReadOnlyMany")
-    models = claim_directory(cluster, api, namespace, "models")
+    models = demo_models(cluster, api, namespace)
     digests = {version: sha256(model_version(models, version)) for version in ("1", "2")}
 
     kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "1", digests["1"])))
@@ -292,6 +290,22 @@ def chart_rules(path: Path) -> Path:
     return path
 
 
+def demo_models(cluster, api, namespace: str) -> Path:
+    """The claims a model needs in `namespace`, and the directory behind `models`."""
+    claim(api, namespace, "kiln-engine-cache")
+    claim(api, namespace, "models", "ReadOnlyMany")
+    return claim_directory(cluster, api, namespace, "models")
+
+
+def pod_discovery(cluster, namespace: str):
+    """The namespace's pods served to Prometheus over http_sd (Debian's has no Kubernetes SD)."""
+    import monitoring
+
+    cp = cluster.control_plane
+    return monitoring.PodDiscovery(cp.server, [namespace], ca_file=str(cp.ca), cert_file=str(cp.root / "pki" / "admin.crt"),
+                                   key_file=str(cp.root / "pki" / "admin.key")).start()
+
+
 class Load:
     """Clients a user's traffic would be: `threads` loops of 64-row requests over the Ready
     runtime pods (round robin, as a Service would spread them)."""
@@ -355,9 +369,7 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
     if monitoring.unavailable():
         pytest.skip(monitoring.unavailable())
     transcript.section("Autoscaling from real Prometheus and Alertmanager alerts")
-    claim(api, namespace, "kiln-engine-cache")
-    claim(api, namespace, "models", "ReadOnlyMany")
-    models = claim_directory(cluster, api, namespace, "models")
+    models = demo_models(cluster, api, namespace)
     model = iris(namespace, "1", sha256(model_version(models, "1")))
     model["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetGPUUtilization": 20,
                                     "maxStep": 1, "scaleUpCooldownSeconds": 0, "scaleDownCooldownSeconds": 0,
@@ -371,10 +383,7 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
     secret = api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/secrets/{RELEASE}-alert-token")
     token_file = tmp_path / "token"
     token_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
-    cp = cluster.control_plane
-    discovery = monitoring.PodDiscovery(cp.server, [namespace], ca_file=str(cp.ca),
-                                        cert_file=str(cp.root / "pki" / "admin.crt"),
-                                        key_file=str(cp.root / "pki" / "admin.key")).start()
+    discovery = pod_discovery(cluster, namespace)
     am = monitoring.Alertmanager(tmp_path / "am", monitoring.kiln_alertmanager_config(
         receiver, str(token_file), repeat_interval="2s"))
     prom = monitoring.Prometheus(tmp_path / "prom", rule_files=[chart_rules(tmp_path / "kiln.rules.yaml")],
@@ -563,9 +572,7 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
     if monitoring.unavailable():
         pytest.skip(monitoring.unavailable())
     transcript.section("A canary rollout, analyzed at every step")
-    claim(api, namespace, "kiln-engine-cache")
-    claim(api, namespace, "models", "ReadOnlyMany")
-    models = claim_directory(cluster, api, namespace, "models")
+    models = demo_models(cluster, api, namespace)
     rollout = {"strategy": "Canary", "steps": [{"weight": 25, "pauseSeconds": 3}, {"weight": 50, "pauseSeconds": 3}],
                "analysis": {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": 0.05, "maxLatencyRatio": 3},
                "traffic": {"mechanism": "GatewayAPI", "httpRoute": "iris"}}
@@ -581,9 +588,7 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
     apply("1", model_version(models, "1"))
     wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180, "version 1 Ready")
 
-    discovery = monitoring.PodDiscovery(cluster.control_plane.server, [namespace], ca_file=str(cluster.control_plane.ca),
-                                        cert_file=str(cluster.control_plane.root / "pki" / "admin.crt"),
-                                        key_file=str(cluster.control_plane.root / "pki" / "admin.key")).start()
+    discovery = pod_discovery(cluster, namespace)
     prom = monitoring.Prometheus(tmp_path / "prom", scrape_configs=[monitoring.pod_http_sd_scrape_config(discovery.url)])
     prom.port = PROMETHEUS_PORT  # where the chart's --prometheus-url points (tests/localcluster)
     status = lambda: api.status(namespace, "iris")  # noqa: E731
