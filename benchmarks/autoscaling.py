@@ -104,6 +104,7 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
 
     import aiohttp
 
+    from benchmarks.operator_scale import terminate
     from benchmarks.operator_scale_real import FakeKubelet, bare_cluster, prepare
     from localcluster.client import wait_for
     from monitoring.process import free_port
@@ -202,20 +203,11 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
                     await asyncio.sleep(0.05)
                 return {"steady": steady, "storm": storm, "to_replicas": to_replicas}
 
-        out = asyncio.run(load())
-        decisions = [m for m in api.items(f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels")
-                     if ((m.get("status") or {}).get("scaling") or {}).get("history")]
-        out["models_with_history"] = len(decisions)
-        return out
+        return asyncio.run(load())
     finally:
         if kubelet is not None:
             kubelet.stop.set()
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(proc)
         cp.stop()
 
 

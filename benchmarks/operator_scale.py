@@ -237,11 +237,7 @@ def run(quick: bool) -> str:
         # 5. Memory.
         rss_mb, hwm_mb = _rss(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
         log.close()
         emu.close()
 
@@ -293,6 +289,17 @@ def run(quick: bool) -> str:
         f"{len(WATCHED) * 60 / main.WATCH_SERVER_TIMEOUT / total_models:.4f} per model at {total_models} models.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def terminate(proc: subprocess.Popen | None, timeout: float = 20) -> None:
+    """Stop a benchmark's operator process: SIGTERM, then SIGKILL after `timeout`."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 if __name__ == "__main__":

@@ -157,6 +157,7 @@ def prepare(cp: Any, root: Path, namespaces: list[str]) -> tuple[Any, Path]:
 
 
 def one_size(n: int, idle_window: float) -> dict[str, Any]:
+    from benchmarks.operator_scale import terminate
     from localcluster.client import wait_for
 
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-real-"))
@@ -212,12 +213,7 @@ def one_size(n: int, idle_window: float) -> dict[str, Any]:
     finally:
         if kubelet is not None:
             kubelet.stop.set()
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        terminate(proc)
         cp.stop()
     models = n + 1
     return {"n": n, "created_s": created_s, "jobs_s": jobs_s, "ready_s": ready_s, "with": with_operator,

@@ -115,11 +115,7 @@ class Receiver:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/alerts", self.alerts)
         app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/healthz", self.healthz)
         return app
-
-    async def healthz(self, _: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
     async def prometheus(self, _: web.Request) -> web.Response:
         body, content_type = self.metrics.exposition()

@@ -43,10 +43,10 @@ class Policy:
 
     @classmethod
     def from_spec(cls, rollout: Mapping[str, Any]) -> "Policy":
-        steps = tuple((int(s["weight"]), float(s.get("pauseSeconds", 60))) for s in rollout.get("steps") or ())
-        a = rollout.get("analysis") or {}
-        return cls(steps or ((10, 60.0), (50, 120.0)), float(a.get("intervalSeconds", 30)),
-                   int(a.get("failureLimit", 1)), int(rollout.get("canaryMinReplicas", 1)))
+        """From a defaulted spec's `rollout` (the CRD holds the defaults)."""
+        a = rollout["analysis"]
+        return cls(tuple((int(s["weight"]), float(s["pauseSeconds"])) for s in rollout["steps"]),
+                   float(a["intervalSeconds"]), int(a["failureLimit"]), int(rollout["canaryMinReplicas"]))
 
 
 @dataclasses.dataclass(frozen=True)

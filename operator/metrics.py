@@ -33,10 +33,10 @@ class OperatorMetrics:
                                           buckets=RECEIVER_BUCKETS, registry=r)
 
     def set_autoscaled(self, namespace: str, model: str, auto: dict, replicas: int) -> None:
-        self.target.labels(namespace, model).set(int(auto.get("targetGPUUtilization", 70)) / 100)
+        self.target.labels(namespace, model).set(int(auto["targetGPUUtilization"]) / 100)
         self.replicas.labels(namespace, model).set(replicas)
-        self.min_replicas.labels(namespace, model).set(int(auto.get("minReplicas", 1)))
-        self.max_replicas.labels(namespace, model).set(int(auto.get("maxReplicas", 4)))
+        self.min_replicas.labels(namespace, model).set(int(auto["minReplicas"]))
+        self.max_replicas.labels(namespace, model).set(int(auto["maxReplicas"]))
 
     def forget(self, namespace: str, model: str) -> None:
         """A model no longer autoscaled (or gone): its series go, so no rule fires for it."""

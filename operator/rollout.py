@@ -66,7 +66,7 @@ async def step(p: Pass) -> StepResult:
     serving = builders.observe_deployment(live)
     desired = observed[0].engine.key if observed else ""
     state = p.previous.get("canary") or None
-    canaried = ((p.spec.get("rollout") or {}).get("strategy", "Canary") == "Canary" and serving.exists and bool(desired)
+    canaried = (p.spec["rollout"]["strategy"] == "Canary" and serving.exists and bool(desired)
                 and (serving.engine_key != desired or (state or {}).get("engineKey") == desired))
     if not canaried:
         return without_canary(p, observed, ready, desired, live)

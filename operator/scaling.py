@@ -59,10 +59,10 @@ class Policy:
 
     @classmethod
     def from_spec(cls, auto: Mapping[str, Any]) -> "Policy":
-        return cls(int(auto.get("minReplicas", 1)), int(auto.get("maxReplicas", 4)),
-                   int(auto.get("targetGPUUtilization", 70)) / 100, int(auto.get("maxStep", 2)),
-                   float(auto.get("scaleUpCooldownSeconds", 60)), float(auto.get("scaleDownCooldownSeconds", 300)),
-                   float(auto.get("scaleDownStabilizationSeconds", 300)))
+        """From a defaulted spec's `autoscaling` (the CRD holds the defaults)."""
+        return cls(int(auto["minReplicas"]), int(auto["maxReplicas"]), int(auto["targetGPUUtilization"]) / 100,
+                   int(auto["maxStep"]), float(auto["scaleUpCooldownSeconds"]),
+                   float(auto["scaleDownCooldownSeconds"]), float(auto["scaleDownStabilizationSeconds"]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,9 @@ from typing import Any, Callable
 import pytest
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: the monitoring harness (real Prometheus)
+
+from monitoring.process import free_port  # noqa: E402
 
 
 def _load_emulator():
@@ -91,14 +94,6 @@ class Api:
                 and e["involvedObject"]["kind"] == "InferenceModel"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class OperatorThread:
     """The real operator (`kiln.operator.main.serve`) in a background thread."""
 
@@ -108,7 +103,7 @@ class OperatorThread:
 
         self.config = OperatorConfig(**config)
         # The Alertmanager receiver on a free loopback port when a token is given.
-        self.alert_token, self.alert_port = alert_token, _free_port() if alert_token else 0
+        self.alert_token, self.alert_port = alert_token, free_port() if alert_token else 0
         self.alerts_url = f"http://127.0.0.1:{self.alert_port}/alerts"
         self.ready, self.stop_flag = threading.Event(), threading.Event()
         self.error: BaseException | None = None
@@ -168,7 +163,6 @@ def start_operator(cluster):
 def prometheus(tmp_path_factory):
     """A real Prometheus (Debian's) for canary analysis, with nothing to scrape: the tests'
     checks are PromQL over constants and absent series. None where it is not installed."""
-    sys.path.insert(0, str(HERE.parent))
     import monitoring
 
     if monitoring.unavailable():
