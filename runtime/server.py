@@ -418,8 +418,10 @@ async def run_until_stopped(server: InferenceServer, host: str, port: int,
         try:
             loop.add_signal_handler(sig, stop.set)
             handled.append(sig)
-        except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
-            pass
+        except (NotImplementedError, RuntimeError):
+            # Only the main thread may handle signals (and not on every platform): a server
+            # run in a thread (tests, benchmarks) is stopped through `stop` instead.
+            continue
     try:
         url = await server.start(host, port)
         task = asyncio.create_task(on_started(url)) if on_started else None
