@@ -62,6 +62,25 @@ def test_the_operator_imports_nothing_of_the_serving_code():
         assert modules <= OPERATOR_MAY_IMPORT, f"{path.name} imports {sorted(modules - OPERATOR_MAY_IMPORT)}"
 
 
+# Import name -> distribution, for the packages whose names differ.
+DISTRIBUTIONS = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "celpy": "cel-python"}
+
+
+def test_the_operator_image_installs_what_the_operator_imports():
+    """`pip install .[operator]` (the operator image) must bring every third-party module
+    the operator's code imports (found missing once: prometheus-client)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower()
+              for d in project["dependencies"] + project["optional-dependencies"]["operator"]}
+    for path in sorted((REPO / "operator").glob("*.py")):
+        top = {m.split(".")[0] for m in _imports(path)} - {"kiln"} - set(sys.stdlib_module_names)
+        missing = {DISTRIBUTIONS.get(m, m) for m in top} - wanted
+        assert not missing, f"{path.name} imports {sorted(missing)}, not in the operator extra"
+
+
 def test_the_runtime_never_imports_the_operator():
     for path in sorted((REPO / "runtime").rglob("*.py")):
         assert not {m for m in _imports(path) if m.startswith("kiln.operator")}, path
