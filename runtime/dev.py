@@ -155,7 +155,8 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
         model = ServedModel(name, version, cache_dir,
                             {target: relative_path(namespace, name, key)}, runtime, metrics,
                             target=target)
-        server = InferenceServer([model], metrics)
+        # local_only: a page in the user's browser must not be able to drive it.
+        server = InferenceServer([model], metrics, local_only=True)
         stop = asyncio.Event()
 
         async def announce(url: str) -> None:

@@ -11,7 +11,13 @@ them, and they are tested without a socket. Both encodings are handled:
   order the inputs are listed. Outputs are returned the same way when a requested output
   has `parameters.binary_data: true` or the request has `parameters.binary_data_output: true`.
 
-Every rejection is a `ProtocolError` carrying the HTTP status and a message for people.
+Every rejection is a `ProtocolError` carrying the HTTP status and a message for people;
+what a client sent is echoed in it shortened (`shown`), so an error stays small.
+
+Non-finite floats: JSON has no NaN or Infinity. A request's bare `NaN`/`Infinity` literals
+are refused (400); JSON `data` may carry them as the strings "NaN", "Infinity" and
+"-Infinity" (proto3's JSON mapping, which KServe's gRPC gateway also uses), and a response
+writes them that way. The binary extension carries them as they are.
 """
 
 from __future__ import annotations
@@ -46,9 +52,42 @@ class ProtocolError(Exception):
         self.status = status
         self.message = message
 
+    def __reduce__(self):  # raised in a decoding worker process, re-raised here
+        return ProtocolError, (self.status, self.message)
+
 
 def bad_request(message: str) -> ProtocolError:
     return ProtocolError(400, message)
+
+
+SHOWN_CHARS = 64
+
+
+def shown(value: Any) -> str:
+    """A client's value for an error message: its repr, cut to SHOWN_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…"
+
+
+def _no_constant(name: str) -> Any:
+    raise bad_request(f"the request body holds {name}, which is not JSON; write non-finite "
+                      f"numbers as the strings \"NaN\", \"Infinity\" or \"-Infinity\", or send "
+                      f"the tensor in the binary extension")
+
+
+def loads(text: bytes | str) -> Any:
+    """Strict JSON: no NaN/Infinity literals; deep nesting and oversized integer literals
+    are a 400 like any other malformed JSON, never an internal error."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not UTF-8 JSON: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise bad_request(f"malformed JSON in the request body: {e}") from None
+    except RecursionError:
+        raise bad_request("the request's JSON is nested too deeply") from None
+    except ValueError as e:  # Python's int-str conversion limit, for one
+        raise bad_request(f"malformed JSON in the request body: {str(e)[:200]}") from None
 
 
 @dataclass(frozen=True)
@@ -94,6 +133,37 @@ def header_length(value: str | None, body_size: int) -> int | None:
     return n
 
 
+# What a request may hold beyond its tensors' elements (names, shapes, parameters, id), and
+# the most bytes one element can take in JSON (a 17-digit float with exponent, sign,
+# separator and the indentation of a pretty-printed nested list).
+_JSON_OVERHEAD_BYTES = 64 * 1024
+_JSON_BYTES_PER_ELEMENT = 64
+
+
+def request_bytes_bound(inputs: Sequence[TensorSpec], profiles: Mapping[str, ShapeRange],
+                        max_rows: int | None) -> int | None:
+    """The largest body a valid request to this model can have, or None when a dimension
+    has no bound (dynamic, without a profile). A body above it is refused before it is read.
+
+    `max_rows` bounds a dynamic batch dimension (the scheduler's largest batch).
+    """
+    elements = 0
+    for spec in inputs:
+        rng = profiles.get(spec.name)
+        count = 1
+        for i, dim in enumerate(spec.shape):
+            if dim >= 0:
+                count *= dim
+            elif i == 0 and max_rows is not None:
+                count *= max_rows
+            elif rng is not None and len(rng.max) == len(spec.shape):
+                count *= rng.max[i]
+            else:
+                return None
+        elements += count
+    return _JSON_OVERHEAD_BYTES + elements * _JSON_BYTES_PER_ELEMENT
+
+
 def parse_infer_request(body: bytes, json_length: int | None,
                         inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
                         profiles: Mapping[str, ShapeRange] | None = None) -> InferRequest:
@@ -104,10 +174,7 @@ def parse_infer_request(body: bytes, json_length: int | None,
     """
     header_bytes = body if json_length is None else body[:json_length]
     binary = memoryview(body)[len(header_bytes):]
-    try:
-        doc = json.loads(header_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"malformed JSON in the request body: {e}") from None
+    doc = loads(header_bytes)
     if not isinstance(doc, dict):
         raise bad_request("the request body must be a JSON object with an 'inputs' list")
     parameters = _parameters(doc, "the request")
@@ -128,10 +195,10 @@ def parse_infer_request(body: bytes, json_length: int | None,
         if not isinstance(name, str):
             raise bad_request(f"inputs[{i}] has no 'name'")
         if name in arrays:
-            raise bad_request(f"input '{name}' is given twice")
+            raise bad_request(f"input {shown(name)} is given twice")
         spec = specs.get(name)
         if spec is None:
-            raise bad_request(f"unknown input '{name}'; the model's inputs are: "
+            raise bad_request(f"unknown input {shown(name)}; the model's inputs are: "
                               f"{', '.join(specs)}")
         arrays[name], used = _decode_input(raw, spec, binary[offset:])
         offset += used
@@ -185,9 +252,9 @@ def _requested_outputs(doc: Mapping[str, Any], outputs: Sequence[TensorSpec],
             raise bad_request(f"outputs[{i}] must be an object with a 'name'")
         name = item["name"]
         if name not in known:
-            raise bad_request(f"unknown output '{name}'; the model's outputs are: "
+            raise bad_request(f"unknown output {shown(name)}; the model's outputs are: "
                               f"{', '.join(s.name for s in outputs)}")
-        params = _parameters(item, f"output '{name}'")
+        params = _parameters(item, f"output {shown(name)}")
         binary = _flag(params, "binary_data", f"output '{name}'") if "binary_data" in params \
             else default_binary
         chosen.append(RequestedOutput(name, binary))
@@ -199,11 +266,14 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
     """One request input -> (array, bytes of the binary section it used)."""
     name = spec.name
     datatype = raw.get("datatype")
+    if not isinstance(datatype, str):
+        raise bad_request(f"input '{name}': 'datatype' must be a string such as "
+                          f"{spec.datatype}, got {shown(datatype)}")
     if datatype == "BYTES":
         raise bad_request(f"input '{name}': the BYTES datatype is not supported; "
                           f"the model expects {spec.datatype}")
     if datatype not in DATATYPES:
-        raise bad_request(f"input '{name}': unknown datatype {datatype!r}; one of "
+        raise bad_request(f"input '{name}': unknown datatype {shown(datatype)}; one of "
                           f"{', '.join(DATATYPES)}")
     if datatype != spec.datatype:
         raise bad_request(f"input '{name}' has datatype {datatype} but the model expects "
@@ -213,7 +283,7 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
             or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
         raise bad_request(f"input '{name}': 'shape' must be a list of integers")
     if any(d < 1 for d in shape):
-        raise bad_request(f"input '{name}': every dimension of shape {shape} must be positive")
+        raise bad_request(f"input '{name}': every dimension of shape {shown(shape)} must be positive")
     check_shape(name, tuple(shape), spec.shape)
     dtype = DATATYPES[datatype]
     count = math.prod(shape)
@@ -227,7 +297,7 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
             raise bad_request(f"input '{name}' has both 'data' and binary_data_size")
         if size != count * dtype.itemsize:
             raise bad_request(f"input '{name}': binary_data_size is {size} bytes but shape "
-                              f"{shape} of {datatype} needs {count * dtype.itemsize}")
+                              f"{shown(shape)} of {datatype} needs {count * dtype.itemsize}")
         if size > len(binary):
             raise bad_request(f"input '{name}': binary_data_size is {size} bytes but only "
                               f"{len(binary)} bytes of binary data remain in the body")
@@ -247,19 +317,31 @@ def _json_data(name: str, data: Any, shape: list[int], datatype: str,
                dtype: np.dtype) -> np.ndarray:
     if not isinstance(data, list):
         data = [data]
+    count = math.prod(shape)
+    # A flat list's length is known before numpy converts a possibly huge list for nothing.
+    if data and not isinstance(data[0], list) and len(data) != count:
+        raise bad_request(f"input '{name}': shape {shown(shape)} needs {count} elements "
+                          f"but 'data' has {len(data)}")
     try:
         source = np.array(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise bad_request(f"input '{name}': 'data' is a ragged nested list") from None
     kind = source.dtype.kind
+    if kind == "U" and dtype.kind == "f":  # "NaN", "Infinity", "-Infinity" (or numbers)
+        try:
+            source = source.astype(dtype)
+        except ValueError:
+            raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype} "
+                              f"(or the strings \"NaN\", \"Infinity\", \"-Infinity\")") from None
+        kind = "f"
     if source.size and kind not in "biuf":
         raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype}")
     if dtype.kind == "b" and source.size and kind != "b":
         raise bad_request(f"input '{name}': BOOL data must be true or false")
     if dtype.kind in "iu" and kind == "f":
         raise bad_request(f"input '{name}': {datatype} data must be integers")
-    if source.size != math.prod(shape):
-        raise bad_request(f"input '{name}': shape {shape} needs {math.prod(shape)} elements "
+    if source.size != count:
+        raise bad_request(f"input '{name}': shape {shown(shape)} needs {count} elements "
                           f"but 'data' has {source.size}")
     if dtype.kind in "iu" and source.size:
         info = np.iinfo(dtype)
@@ -271,7 +353,7 @@ def _json_data(name: str, data: Any, shape: list[int], datatype: str,
 def check_shape(name: str, shape: tuple[int, ...], model_shape: tuple[int, ...]) -> None:
     """Rank and fixed dimensions must match; -1 in the model accepts any size."""
     if len(shape) != len(model_shape):
-        raise bad_request(f"input '{name}' has shape {list(shape)} (rank {len(shape)}) but the "
+        raise bad_request(f"input '{name}' has shape {shown(list(shape))} (rank {len(shape)}) but the "
                           f"model expects rank {len(model_shape)}: {list(model_shape)}")
     for i, (got, want) in enumerate(zip(shape, model_shape)):
         if want >= 0 and got != want:
@@ -319,7 +401,7 @@ def encode_infer_response(model_name: str, model_version: str, request: InferReq
             entry["parameters"] = {"binary_data_size": raw.nbytes}
             chunks.append(raw.reshape(-1).view(np.uint8))  # joined below without tobytes()
         else:
-            entry["data"] = array.reshape(-1).tolist()
+            entry["data"] = json_values(array)
         outputs.append(entry)
     doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version,
                            "outputs": outputs}
@@ -329,6 +411,17 @@ def encode_infer_response(model_name: str, model_version: str, request: InferReq
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)  # the only copy of the outputs' bytes
+
+
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def json_values(array: np.ndarray) -> list:
+    """An array's elements, flat, for JSON: non-finite floats as proto3 writes them."""
+    values = array.reshape(-1).tolist()
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        values = [v if math.isfinite(v) else _NON_FINITE.get(v, "NaN") for v in values]
+    return values
 
 
 def decode_infer_response(body: bytes, json_length: int | None) -> dict[str, Any]:

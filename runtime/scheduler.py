@@ -198,7 +198,7 @@ class Scheduler:
             raise RuntimeError("scheduler not started")
         if self._closing:
             raise ShuttingDown(1.0, "the model is shutting down; retry on another replica")
-        if self._queued >= self.batching.max_queue_size:
+        if self.full:
             raise Overloaded(self.retry_after())
 
         group = batching.signature(inputs) if self._batch_requests else None
@@ -222,6 +222,12 @@ class Scheduler:
         if key is not None:
             self.cache.put(key, outputs)
         return outputs
+
+    @property
+    def full(self) -> bool:
+        """A request now would be refused Overloaded (a result-cache hit aside): the server
+        answers 429 before reading the body, so refusing costs far less than serving."""
+        return self._queued >= self.batching.max_queue_size
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained: batches ahead of a new request times

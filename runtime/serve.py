@@ -35,6 +35,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get 413 (default %(default)s)")
+    parser.add_argument("--body-timeout-seconds", type=float, default=60.0,
+                        help="a request body must arrive within this, else 408 "
+                             "(default %(default)s)")
+    parser.add_argument("--header-timeout-seconds", type=float, default=10.0,
+                        help="a request's line and headers must arrive within this, else "
+                             "the connection is closed (default %(default)s)")
+    parser.add_argument("--keepalive-timeout-seconds", type=float, default=75.0,
+                        help="an idle keep-alive connection is closed after this "
+                             "(default %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=1000,
+                        help="open connections at most; at the cap the oldest idle one is "
+                             "closed, else a new one gets 503 (default %(default)s, lowered "
+                             "to fit the open-file limit)")
     parser.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
                         help="how long SIGTERM waits for in-flight requests "
                              "(default %(default)s)")
@@ -71,6 +84,7 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kiln.runtime.connections import ConnectionLimits
     from kiln.runtime.metrics import ServerMetrics
     from kiln.runtime.model import ServedModel, parse_engines
     from kiln.runtime.server import (InferenceServer, event_loop_choice, run_event_loop,
@@ -85,6 +99,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be 0..65535, got {args.port}")
+        for flag in ("body_timeout_seconds", "header_timeout_seconds",
+                     "keepalive_timeout_seconds", "max_connections"):
+            if not getattr(args, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
+                                 f"{getattr(args, flag)}")
+        limits = ConnectionLimits(max_connections=args.max_connections,
+                                  header_timeout=args.header_timeout_seconds,
+                                  keepalive_timeout=args.keepalive_timeout_seconds)
     except ValueError as e:
         print(f"kiln serve: {e}", file=sys.stderr)
         return 2
@@ -93,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         metrics = ServerMetrics()
         model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
                             runtime, metrics)
-        server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes)
+        server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
+                                 body_timeout=args.body_timeout_seconds, limits=limits)
         await run_until_stopped(server, args.host, args.port, args.drain_seconds)
 
     try:

@@ -12,17 +12,27 @@ engine, scheduler, readiness). Liveness never looks at a model; readiness is the
     POST /v2/models/{name}[/versions/{v}]/infer
     GET  /metrics                              Prometheus text
 
-Every failure answers `{"error": "..."}`. SIGTERM (see `run_until_stopped`): readiness
-turns false, new inference requests get 503 with Retry-After, in-flight requests finish
-(up to the drain timeout), then the process exits 0.
+Every failure answers `{"error": "..."}`, aiohttp's own parse errors included
+(`connections`). SIGTERM (see `run_until_stopped`): readiness turns false, new inference
+requests get 503 with Retry-After and `Connection: close`, in-flight requests finish (up to
+the drain timeout), then the process exits 0.
+
+Bounds per request, cheapest first: a full queue is a 429 before the body is read; a body
+larger than the model's largest valid request (or --max-body-bytes) is a 413 before it is
+read; the body must arrive within the body timeout (408); JSON too large to decode in a
+few milliseconds is decoded in a worker process, so the event loop (and liveness) never
+waits on it. Connections are capped and time-bounded (`connections.ConnectionLimits`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import json
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import time
@@ -34,6 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kiln import __version__
 from kiln.runtime import protocol
+from kiln.runtime.connections import SERVER_HEADER, ConnectionLimits, Runner
 from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import LOADING, UNHEALTHY, ServedModel
 from kiln.runtime.protocol import HEADER_LENGTH, ProtocolError
@@ -42,9 +53,20 @@ from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded, Sh
 log = logging.getLogger("kiln.runtime.server")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-# Bodies above this are decoded and encoded in a worker thread, off the event loop, so a
-# large request does not stall health checks and other requests.
-_OFFLOAD_BYTES = 256 * 1024
+DEFAULT_BODY_TIMEOUT = 60.0
+# JSON above this (request bytes, or response elements) is decoded or encoded in a worker
+# process: json holds the GIL throughout, so a thread would stall the event loop as much.
+# Below it, decoding takes a few milliseconds and stays inline (no inter-process copy).
+_OFFLOAD_JSON_BYTES = 1 << 20
+_OFFLOAD_JSON_ELEMENTS = 64 * 1024
+# Requests that may wait for the decoding worker; beyond, a big JSON request gets 429
+# before its body is read (each waiting one holds its body in memory).
+_OFFLOAD_WAITING = 4
+# Error messages are cut to this: what a client sent is never echoed back whole.
+_MAX_ERROR_CHARS = 1024
+# Content types `kiln dev` accepts on POST: a page in a browser can only send others
+# (text/plain, forms) without a CORS preflight, which Kiln does not answer.
+_LOCAL_CONTENT_TYPES = ("application/json", "application/octet-stream")
 # kiln_requests_total's outcomes (the scheduler counts "cancelled" inside it).
 OUTCOMES = ("success", "bad_request", "overloaded", "unavailable", "error", "cancelled")
 # Retry-After (seconds) while a model loads, is unhealthy, or the server drains.
@@ -63,6 +85,8 @@ def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None,
                    **extra: Any) -> web.Response:
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[:_MAX_ERROR_CHARS] + "…"
     return json_response({"error": message, **extra}, status, headers)
 
 
@@ -96,9 +120,17 @@ class InferenceServer:
 
     def __init__(self, models: Iterable[ServedModel], metrics: ServerMetrics, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 limits: ConnectionLimits | None = None, local_only: bool = False,
                  clock: Callable[[], float] = time.monotonic):
+        """`local_only` (what `kiln dev` sets): refuse a Host header that is not the address
+        served on and POST bodies that are neither JSON nor octet-stream, so a web page in
+        the user's browser cannot drive the server (DNS rebinding, simple cross-site POSTs).
+        """
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+        if not body_timeout > 0:
+            raise ValueError(f"body_timeout must be positive, got {body_timeout}")
         self.models = {m.name: m for m in models}
         if not self.models:
             raise ValueError("the server needs at least one model")
@@ -110,6 +142,11 @@ class InferenceServer:
                    metrics.request_seconds.labels(model=name))
             for name in self.models}
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.limits = limits or ConnectionLimits()
+        self.local_only = local_only
+        self._allowed_hosts: frozenset[str] | None = None  # set by start() when local_only
+        self._json_worker = _JsonWorker()
         self._clock = clock
         self.draining = False
         self._inflight = 0
@@ -122,7 +159,9 @@ class InferenceServer:
 
     def _make_app(self) -> web.Application:
         # Bodies are read by the infer handler with its own limit (413 with a JSON body).
-        app = web.Application(middlewares=[_errors], client_max_size=self.max_body_bytes + 1)
+        app = web.Application(middlewares=[self._guard, _errors],
+                              client_max_size=self.max_body_bytes + 1)
+        app.on_response_prepare.append(_server_header)
         m = "/v2/models/{name}"
         v = m + "/versions/{version}"
         app.add_routes([
@@ -145,14 +184,16 @@ class InferenceServer:
         """Listen, then load every model in the background. Returns the base URL."""
         # handler_cancellation: a client that disconnects cancels its handler, and the
         # scheduler drops the request from its queue instead of computing it for nobody.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=1.0)
+        self._runner = Runner(self.app, self.limits, handler_cancellation=True,
+                              access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         bound_host, bound_port = self._runner.addresses[0][:2]
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.url = f"http://{shown}:{bound_port}"
+        if self.local_only:
+            self._allowed_hosts = _host_names(host, bound_port)
         log.info("listening on %s:%s", bound_host, bound_port)
         self._load_tasks = [asyncio.create_task(m.load(), name=f"load {m.name}")
                             for m in self.models.values()]
@@ -185,6 +226,7 @@ class InferenceServer:
         await asyncio.gather(*self._load_tasks, return_exceptions=True)
         for model in self.models.values():
             await model.close(max(0.0, deadline - self._clock()))
+        self._json_worker.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -195,6 +237,16 @@ class InferenceServer:
 
     def _not_ready(self) -> list[ServedModel]:
         return [m for m in self.models.values() if not m.ready]
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        if self._allowed_hosts is not None and request.host.lower() not in self._allowed_hosts:
+            return error_response(403, f"Host {protocol.shown(request.host)} is not an address "
+                                       f"this server listens on ({self.url})")
+        response = await handler(request)
+        if self.draining:  # a keep-alive client learns to reconnect elsewhere, not by a reset
+            response.force_close()
+        return response
 
     async def live(self, request: web.Request) -> web.Response:
         return json_response({"live": True})
@@ -292,49 +344,92 @@ class InferenceServer:
         if not model.serving:
             return self._model_unavailable(model)
         try:
-            body = await self._read_body(request)
+            self._check_content_type(request)
+            self._admit(request, model)
+            body = await self._read_body(request, model)
             json_length = protocol.header_length(request.headers.get(HEADER_LENGTH),
                                                  len(body))
-            parse = (model.inputs, model.outputs, model.profiles)
-            if len(body) > _OFFLOAD_BYTES:
-                req = await asyncio.to_thread(protocol.parse_infer_request, body,
-                                              json_length, *parse)
+            parse = (body, json_length, model.inputs, model.outputs, model.profiles)
+            if (len(body) if json_length is None else json_length) > _OFFLOAD_JSON_BYTES:
+                req = await self._json_worker.run(protocol.parse_infer_request, *parse)
             else:
-                req = protocol.parse_infer_request(body, json_length, *parse)
-            del body
+                req = protocol.parse_infer_request(*parse)
+            del body, parse
             in_scheduler.append(True)
             results = await model.infer(req.inputs)
+            missing = [o.name for o in req.outputs if o.name not in results]
+            if missing:
+                return error_response(500, f"the engine returned no {', '.join(missing)}")
+            encode = (model.name, model.version, dataclasses.replace(req, inputs={}), results)
+            if sum(results[o.name].size for o in req.outputs
+                   if not o.binary) > _OFFLOAD_JSON_ELEMENTS:
+                payload, json_length = await self._json_worker.run(
+                    protocol.encode_infer_response, *encode)
+            else:
+                payload, json_length = protocol.encode_infer_response(*encode)
         except ProtocolError as e:
-            return error_response(e.status, e.message)
+            response = error_response(e.status, e.message)
+            if e.status in (408, 413):  # the rest of the body is not worth reading
+                response.force_close()
+            return response
         except InvalidBatch as e:
             return error_response(400, str(e))
         except ShuttingDown as e:
             return error_response(503, str(e), {"Retry-After": _retry_after(e.retry_after)})
         except Overloaded as e:
-            return error_response(429, f"model '{model.name}' is overloaded: {e}",
-                                  {"Retry-After": _retry_after(e.retry_after)})
+            return self._overloaded(model, e.retry_after, str(e))
         except ExecutionFailed as e:
             return error_response(500, f"inference failed: {e}")
-        missing = [o.name for o in req.outputs if o.name not in results]
-        if missing:
-            return error_response(500, f"the engine returned no {', '.join(missing)}")
-        encode = (model.name, model.version, req, results)
-        if sum(a.nbytes for a in results.values()) > _OFFLOAD_BYTES:
-            payload, json_length = await asyncio.to_thread(protocol.encode_infer_response,
-                                                           *encode)
-        else:
-            payload, json_length = protocol.encode_infer_response(*encode)
         if json_length is None:
             return web.Response(body=payload, content_type="application/json")
         return web.Response(body=payload, content_type="application/octet-stream",
                             headers={HEADER_LENGTH: str(json_length)})
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.max_body_bytes
+    def _overloaded(self, model: ServedModel, retry_after: float, why: str) -> web.Response:
+        return error_response(429, f"model '{model.name}' is overloaded: {why}",
+                              {"Retry-After": _retry_after(retry_after)})
+
+    def _check_content_type(self, request: web.Request) -> None:
+        if not self.local_only:
+            return
+        value = request.headers.get("Content-Type")
+        if value is not None and value.split(";")[0].strip().lower() not in _LOCAL_CONTENT_TYPES:
+            raise ProtocolError(415, f"Content-Type {protocol.shown(value)} is not accepted: "
+                                     f"send application/json or application/octet-stream")
+
+    def _admit(self, request: web.Request, model: ServedModel) -> None:
+        """Refuse what can be refused from the headers alone, before the body is read."""
+        scheduler = model.scheduler
+        if getattr(scheduler, "full", False) and getattr(scheduler, "cache", None) is None:
+            raise Overloaded(scheduler.retry_after(), "its queue is full")
         length = request.content_length
-        if length is not None:
-            if length > limit:
-                raise self._too_big()
+        limit, why = self._body_limit(model)
+        if length is not None and length > limit:
+            raise self._too_big(length, limit, why)
+        header = request.headers.get(HEADER_LENGTH, "").strip()
+        json_bytes = int(header) if header.isdigit() else length
+        if (json_bytes is None or json_bytes > _OFFLOAD_JSON_BYTES) and self._json_worker.full:
+            raise Overloaded(1.0, "too many large JSON requests are being decoded; retry, or "
+                                  "send the tensors in the binary extension")
+
+    def _body_limit(self, model: ServedModel) -> tuple[int, str]:
+        bound = protocol.request_bytes_bound(model.inputs, model.profiles,
+                                             getattr(model.scheduler, "max_rows", None))
+        if bound is not None and bound < self.max_body_bytes:
+            return bound, (f"the largest valid request to model '{model.name}' (its inputs at "
+                           f"the largest batch and profile shapes)")
+        return self.max_body_bytes, "the server's limit (--max-body-bytes)"
+
+    async def _read_body(self, request: web.Request, model: ServedModel) -> bytes:
+        try:
+            return await asyncio.wait_for(self._read(request, *self._body_limit(model)),
+                                          self.body_timeout)
+        except asyncio.TimeoutError:
+            raise ProtocolError(408, f"the request body did not arrive within "
+                                     f"{self.body_timeout:g} s") from None
+
+    async def _read(self, request: web.Request, limit: int, why: str) -> bytes:
+        if request.content_length is not None:
             # Known length within the limit: one read, no per-chunk copies (aiohttp stops
             # at Content-Length; the app's client_max_size is above the limit).
             return await request.read()
@@ -342,12 +437,68 @@ class InferenceServer:
         async for chunk in request.content.iter_any():
             buf += chunk
             if len(buf) > limit:
-                raise self._too_big()
+                raise self._too_big(None, limit, why)
         return bytes(buf)
 
-    def _too_big(self) -> ProtocolError:
-        return ProtocolError(413, f"the request body is larger than the server's limit "
-                                  f"of {self.max_body_bytes} bytes (--max-body-bytes)")
+    @staticmethod
+    def _too_big(length: int | None, limit: int, why: str) -> ProtocolError:
+        size = f"{length} bytes" if length is not None else "larger"
+        return ProtocolError(413, f"the request body ({size}) is over {limit} bytes, {why}")
+
+
+class _JsonWorker:
+    """A worker process for JSON too large to decode or encode on the event loop.
+
+    Started on first use; one at a time decodes (bounding the memory a burst of large
+    JSON bodies can take), a few wait, and `full` lets the server refuse the rest before
+    reading their bodies. A worker that dies (killed for memory) is replaced on next use.
+    """
+
+    def __init__(self, waiting: int = _OFFLOAD_WAITING):
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._limit = 1 + waiting
+        self._pending = 0
+
+    @property
+    def full(self) -> bool:
+        return self._pending >= self._limit
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._pool is None:
+            # spawn, not fork: the server has threads (the backend's, the loop's) that a
+            # forked child would inherit in whatever state they were.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._pool
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        except concurrent.futures.process.BrokenProcessPool:
+            if self._pool is pool:
+                self._pool = None
+            raise ProtocolError(503, "the JSON worker process stopped (out of memory?); "
+                                     "retry, or send the tensors in the binary extension") from None
+        finally:
+            self._pending -= 1
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_HEADER
+
+
+def _host_names(host: str, port: int) -> frozenset[str] | None:
+    """The Host header values that name this server, or None (listening on every
+    address, there is no one name to check)."""
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    names = {host, "localhost", "127.0.0.1", "[::1]"} if host in (
+        "127.0.0.1", "localhost", "::1") else {f"[{host}]" if ":" in host else host}
+    return frozenset(f"{name}:{port}".lower() for name in names)
 
 
 def _retry_headers() -> dict[str, str]:

@@ -46,7 +46,9 @@ def test_bool_fp16_uint8_json_and_binary_agree():
 @pytest.mark.parametrize("doc,binary,message", [
     (inputs(mask={"data": [1, 0]}), b"", "input 'mask': BOOL data must be true or false"),
     (inputs(small={"data": [0, 256]}), b"", "input 'small': a value is out of range for UINT8"),
-    (inputs(half={"data": ["a", "b"]}), b"", "input 'half': 'data' must hold numbers for FP16"),
+    (inputs(half={"data": ["a", "b"]}), b"", "input 'half': 'data' must hold numbers for FP16 "
+     "(or the strings \"NaN\", \"Infinity\", \"-Infinity\")"),
+    (inputs(small={"data": ["1", "2"]}), b"", "input 'small': 'data' must hold numbers for UINT8"),
     (inputs(half={"data": [[1.0], [2.0, 3.0]]}), b"",
      "input 'half': 'data' is a ragged nested list"),
     (inputs(half={"shape": [0, 2]}), b"",
@@ -91,3 +93,56 @@ def test_binary_output_default_and_per_output_override():
     body, n = encode_infer_response("m", "1", request, {"y": y})
     assert n is not None and len(body) == n + y.nbytes
     np.testing.assert_array_equal(decode_infer_response(body, n)["outputs"][0]["data"], y)
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"[" * 100_000, "the request's JSON is nested too deeply"),
+    (b'{"inputs": [' + b"1" * 5000 + b"]}", "malformed JSON in the request body: Exceeds the "
+                                           "limit (4300 digits) for integer string conversion"),
+    (b'{"inputs": [NaN]}', "the request body holds NaN, which is not JSON"),
+    (b'{"inputs": [-Infinity]}', "the request body holds -Infinity, which is not JSON"),
+    (b'{"inputs": "\xff"}', "the request body is not UTF-8 JSON"),
+])
+def test_malformed_json_of_every_kind_is_a_400(body, message):
+    with pytest.raises(ProtocolError) as e:
+        parse_infer_request(body, None, INPUTS, OUTPUTS)
+    assert e.value.status == 400 and e.value.message.startswith(message)
+
+
+@pytest.mark.parametrize("datatype", [["FP16"], {"a": 1}, 16, None, True])
+def test_a_datatype_that_is_not_a_string_is_a_400(datatype):
+    with pytest.raises(ProtocolError) as e:
+        parse(inputs(half={"datatype": datatype}))
+    assert e.value.message.startswith("input 'half': 'datatype' must be a string such as FP16")
+
+
+def test_client_values_are_echoed_shortened():
+    name = "x" * 1_000_000
+    for doc in (inputs(half={"name": name}), {**inputs(), "outputs": [{"name": name}]},
+                inputs(half={"shape": [1] * 100_000})):
+        with pytest.raises(ProtocolError) as e:
+            parse(doc)
+        assert len(e.value.message) < 300, e.value.message[:100]
+
+
+def test_non_finite_floats_as_proto3_json_strings_both_ways():
+    request = parse(inputs(half={"data": ["NaN", "-Infinity"]}))
+    half = request.inputs["half"]
+    assert np.isnan(half[0, 0]) and half[0, 1] == -np.inf
+    y = np.array([[np.nan, np.inf], [-np.inf, 1.5]], np.float32)
+    body, n = encode_infer_response("m", "1", request, {"y": y})
+    assert n is None
+    doc = json.loads(body)  # strict: a JSON client reads it
+    assert doc["outputs"][0]["data"] == ["NaN", "Infinity", "-Infinity", 1.5]
+    np.testing.assert_array_equal(decode_infer_response(body, None)["outputs"][0]["data"], y)
+
+
+def test_request_bytes_bound():
+    from kiln.runtime.protocol import request_bytes_bound
+    fixed = [TensorSpec("x", "FP32", (-1, 3, 2))]
+    assert request_bytes_bound(fixed, {}, 8) == 64 * 1024 + 8 * 6 * 64
+    assert request_bytes_bound(fixed, {}, None) is None  # a batch without a bound
+    dynamic = [TensorSpec("x", "FP32", (-1, -1))]
+    assert request_bytes_bound(dynamic, {}, 8) is None
+    assert request_bytes_bound(dynamic, {"x": ShapeRange((1, 1), (1, 5), (4, 10))}, 8) == \
+        64 * 1024 + 8 * 10 * 64

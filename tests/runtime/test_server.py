@@ -32,6 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.runtime.build import BuildRequest, build_engine
+from kiln.runtime.connections import ConnectionLimits
 from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import ServedModel
 from kiln.runtime.protocol import (HEADER_LENGTH, decode_infer_response,
@@ -111,7 +112,7 @@ class ServerThread:
     """An InferenceServer on its own event loop in a thread, on a free port."""
 
     def __init__(self, cache: Path, engines: dict[str, str], runtime: dict | None = None,
-                 max_body_bytes: int = MAX_BODY, target: str = "cpu"):
+                 max_body_bytes: int = MAX_BODY, target: str = "cpu", **server_args):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -119,7 +120,7 @@ class ServerThread:
         self.model = ServedModel(NAME, "1", cache, engines, runtime or RUNTIME, self.metrics,
                                  target=target)
         self.server = InferenceServer([self.model], self.metrics,
-                                      max_body_bytes=max_body_bytes)
+                                      max_body_bytes=max_body_bytes, **server_args)
         self.url = self.call(self.server.start("127.0.0.1", 0))
         self.port = urllib.parse.urlsplit(self.url).port
 
@@ -352,8 +353,12 @@ def test_body_over_limit_is_413(server):
                                    "data": [0.0] * 4, "pad": "x" * MAX_BODY}]}).encode()
     status, _, raw = server.request("POST", f"/v2/models/{NAME}/infer", body)
     assert status == 413
-    assert json.loads(raw) == {"error": f"the request body is larger than the server's limit "
-                                        f"of {MAX_BODY} bytes (--max-body-bytes)"}
+    # 16 rows (maxBatchSize) of 4 + 3 elements: far below --max-body-bytes, so the model's
+    # own bound refuses it, before the body is read.
+    bound = 64 * 1024 + 16 * 7 * 64
+    assert json.loads(raw) == {"error": f"the request body ({len(body)} bytes) is over {bound} "
+                                        f"bytes, the largest valid request to model '{NAME}' "
+                                        f"(its inputs at the largest batch and profile shapes)"}
 
 
 def test_unknown_model_route_and_method(server):
@@ -647,5 +652,211 @@ def test_result_cache_answers_a_repeated_request_over_http(built):
         assert srv.metric("kiln_result_cache_bytes", model=NAME) > 0
         # Only the first of the three reached the engine.
         assert srv.metric("kiln_executions_total", model=NAME, outcome="success") == executions + 1
+    finally:
+        srv.close()
+
+
+# -- bounds: connections, timeouts, refusals decided from the headers ---------------------
+
+def _raw(port: int, data: bytes, timeout: float = 10) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Read one HTTP response off a raw socket (the server closes or sends Content-Length)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {buf!r}"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def _closed(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def _post_head(path: str, length: int, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+def test_refusals_from_the_headers_come_before_the_body(built):
+    """A full queue (429) and a body over the model's bound (413) are answered from the
+    headers: the client has sent none of its body when the answer arrives."""
+    runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000,
+                            "maxQueueSize": 1}}
+    srv = ServerThread(built.cache, {"cpu": built.rel}, runtime)
+    try:
+        assert srv.wait_loaded()
+        sock = _raw(srv.port, _post_head(f"/v2/models/{NAME}/infer", 10 << 20))
+        status, headers, body = _response(sock)
+        assert status == 413 and headers["connection"] == "close"
+        assert "the largest valid request to model" in json.loads(body)["error"]
+
+        waiting = threading.Thread(target=srv.infer, args=({"inputs": json_inputs(sample(1))},))
+        waiting.start()  # holds the queue's one place for 1.5 s
+        deadline = time.monotonic() + 5
+        while srv.metric("kiln_queue_depth", model=NAME) != 1.0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        sock = _raw(srv.port, _post_head(f"/v2/models/{NAME}/infer", 1000))
+        status, headers, body = _response(sock)
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        assert json.loads(body)["error"] == f"model '{NAME}' is overloaded: its queue is full"
+        waiting.join(10)
+    finally:
+        srv.close()
+
+
+def test_slow_clients_are_timed_out(built):
+    """A body that stops arriving gets 408; headers that never finish close the
+    connection; meanwhile other clients are served."""
+    limits = ConnectionLimits(header_timeout=0.5)
+    srv = ServerThread(built.cache, {"cpu": built.rel}, body_timeout=0.5, limits=limits)
+    try:
+        assert srv.wait_loaded()
+        sock = _raw(srv.port, _post_head(f"/v2/models/{NAME}/infer", 500) + b'{"inputs": [')
+        status, headers, body = _response(sock)
+        assert status == 408 and headers["connection"] == "close"
+        assert json.loads(body) == {"error": "the request body did not arrive within 0.5 s"}
+
+        slow = _raw(srv.port, b"POST /v2/models/multi/infer HTTP/1.1\r\nHost: x\r\n")
+        silent = _raw(srv.port, b"")
+        assert srv.get("/v2/health/live")[0] == 200
+        assert _closed(slow, within=5) and _closed(silent, within=5)
+    finally:
+        srv.close()
+
+
+def test_connection_cap_closes_idle_connections_first(built):
+    limits = ConnectionLimits(max_connections=4, header_timeout=30)
+    srv = ServerThread(built.cache, {"cpu": built.rel}, limits=limits)
+    try:
+        assert srv.wait_loaded()
+        # Four connections that never send a request fill the cap; a real client still gets
+        # in, because the oldest idle one is closed to make room.
+        idle = [_raw(srv.port, b"") for _ in range(4)]
+        time.sleep(0.2)
+        assert srv.get("/v2/health/live")[0] == 200
+        assert _closed(idle[0], within=2)
+        # Four that are mid-request are not idle: a fifth connection is refused with 503.
+        busy = [_raw(srv.port, b"GET /v2/health/live HTTP/1.1\r\n") for _ in range(4)]
+        time.sleep(0.3)
+        status, headers, body = _response(_raw(srv.port, b""))
+        assert status == 503 and headers["connection"] == "close"
+        assert json.loads(body)["error"].startswith("the server has reached its limit of 4 open")
+        for sock in busy + idle:
+            sock.close()
+    finally:
+        srv.close()
+
+
+def test_draining_answers_keepalive_clients_with_connection_close(built):
+    runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000}}
+    srv = ServerThread(built.cache, {"cpu": built.rel}, runtime)
+    try:
+        assert srv.wait_loaded()
+        keepalive = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        keepalive.request("GET", "/v2/health/live")
+        assert keepalive.getresponse().read()
+        in_flight = threading.Thread(target=srv.infer, args=({"inputs": json_inputs(sample(1))},))
+        in_flight.start()
+        time.sleep(0.2)
+        drained = asyncio.run_coroutine_threadsafe(srv.server.shutdown(5.0), srv.loop)
+        time.sleep(0.2)
+        body = json.dumps({"inputs": json_inputs(sample(1))}).encode()
+        keepalive.request("POST", f"/v2/models/{NAME}/infer", body,
+                          {"Content-Type": "application/json"})
+        resp = keepalive.getresponse()
+        assert resp.status == 503 and resp.getheader("Connection") == "close"
+        assert json.loads(resp.read())["error"].startswith("the server is shutting down")
+        in_flight.join(10)
+        assert drained.result(10) is True
+    finally:
+        srv.loop.call_soon_threadsafe(srv.loop.stop)
+
+
+def test_kiln_dev_mode_refuses_foreign_hosts_and_form_posts(built):
+    """What `kiln dev` runs (local_only): a web page cannot reach it through DNS rebinding
+    (a foreign Host) or a cross-site form or text/plain POST; the Server header names no
+    versions."""
+    srv = ServerThread(built.cache, {"cpu": built.rel}, local_only=True)
+    try:
+        assert srv.wait_loaded()
+        status, headers, body = srv.request("GET", "/v2/health/live",
+                                            headers={"Host": f"attacker.example:{srv.port}"})
+        assert status == 403
+        assert json.loads(body)["error"].startswith("Host 'attacker.example:")
+        assert headers["Server"] == "kiln"
+        for host in (f"127.0.0.1:{srv.port}", f"localhost:{srv.port}"):
+            assert srv.request("GET", "/v2/health/live", headers={"Host": host})[0] == 200
+        good = json.dumps({"inputs": json_inputs(sample(1))}).encode()
+        for ctype in ("text/plain", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x"):
+            status, _, body = srv.request("POST", f"/v2/models/{NAME}/infer", good,
+                                          {"Content-Type": ctype})
+            assert status == 415, ctype
+            assert "send application/json or application/octet-stream" in json.loads(body)["error"]
+        status, headers, _ = srv.request("POST", f"/v2/models/{NAME}/infer", good,
+                                         {"Content-Type": "application/json; charset=utf-8"})
+        assert status == 200 and headers["Server"] == "kiln"
+    finally:
+        srv.close()
+
+
+def test_large_json_is_decoded_off_the_event_loop(tmp_path):
+    """A JSON body above the inline threshold goes to the decoding worker process: the
+    answer is right, and liveness answers while it is decoded."""
+    width = 200_000  # one row of 200k floats: about 2.4 MB of JSON, each way
+    graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["y"])], "neg",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "neg.onnx").write_bytes(model.SerializeToString())
+    result = build_engine(BuildRequest.from_dict({
+        "namespace": "default", "name": NAME,
+        "model": {"uri": (tmp_path / "neg.onnx").as_uri(), "version": "1"},
+        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}),
+        tmp_path / "cache")
+    srv = ServerThread(tmp_path / "cache", {"cpu": result.path},
+                       {"batching": {"maxBatchSize": 4}}, max_body_bytes=64 << 20)
+    try:
+        assert srv.wait_loaded(), srv.model.status_message()
+        x = np.random.default_rng(3).standard_normal((2, width)).astype(np.float32)
+        answers: list = []
+        worker = threading.Thread(target=lambda: answers.append(srv.infer(
+            {"inputs": [{"name": "x", "shape": [2, width], "datatype": "FP32",
+                         "data": x.tolist()}]})))
+        worker.start()
+        live = 0
+        while worker.is_alive():
+            assert srv.get("/v2/health/live")[0] == 200
+            live += 1
+        worker.join()
+        status, _, doc = answers[0]
+        assert status == 200, doc
+        np.testing.assert_array_equal(np.asarray(doc["outputs"][0]["data"], np.float32)
+                                      .reshape(2, width), -x)
+        assert live >= 2
     finally:
         srv.close()
