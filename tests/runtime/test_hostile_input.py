@@ -20,6 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_http, test_server
@@ -302,6 +303,21 @@ EXPECT_HEADERS = {
                                         + f"Content-Length: {len(VALID_BODY)}\r\n".encode(),
                                         VALID_BODY),
 }
+
+
+def test_raw_socket_control(server, built, log):
+    # The raw requests above differ from this one only in what each names: framed right, the
+    # same bytes get the right answer (so the cases fail for what is malformed, nothing else).
+    answer = raw_exchange(server.port, _raw(f"Content-Length: {len(VALID_BODY)}\r\n", VALID_BODY))
+
+    def check():
+        assert answer.status == 200, f"the control request: {answer}"
+        doc = json.loads(answer.body)
+        expected = built.expected(sample(1))
+        for out in doc["outputs"]:
+            np.testing.assert_allclose(out["data"], expected[out["name"]].reshape(-1),
+                                       rtol=1e-5, atol=1e-5)
+    verdict(server, built, log, check)
 
 
 @pytest.mark.parametrize("case", [*MALFORMED_HTTP, *EXPECT_HEADERS])
