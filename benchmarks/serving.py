@@ -129,8 +129,10 @@ class Server:
 
 @contextmanager
 def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int,
-            log_dir: Path, spinning: bool | None = None) -> Iterator[Server]:
-    """`kiln serve` in a subprocess until ready; yields its URL and pid, stops it on exit."""
+            log_dir: Path, spinning: bool | None = None,
+            extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
+    """`kiln serve` in a subprocess until ready; yields its URL and pid, stops it on exit.
+    `extra_args` go on its command line (e.g. `--max-body-bytes`)."""
     port = _free_port()
     log_path = log_dir / f"serve-{model.name}-{port}.log"
     env = {**os.environ, "KILN_ORT_INTRA_OP_THREADS": str(threads)}
@@ -140,7 +142,7 @@ def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int
         "serve", "--model-name", model.name, "--cache-dir", str(cache_dir),
         "--engine", f"cpu={model.rel}", "--runtime-spec", json.dumps(runtime),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
-        "--drain-seconds", "2"]
+        "--drain-seconds", "2", *extra_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_dir)
     url = f"http://127.0.0.1:{port}"

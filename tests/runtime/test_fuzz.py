@@ -1,0 +1,428 @@
+"""Property-based tests (Hypothesis) of the v2 endpoints against the real server (issue 11,
+item 10: fuzzing in CI).
+
+One real `InferenceServer` per module (test_server.py's ONNX model, real cache, real socket,
+its own event loop in a thread), driven with http.client, and with raw sockets where the
+bytes of the request itself are fuzzed. Strategies: arbitrary JSON values as the body
+(recursive; integers past Python's int-str limit, NaN and infinities, deep nesting written
+as raw literals); valid requests mutated field by field; the binary tensor extension with
+arbitrary Inference-Header-Content-Length values, binary tails and binary_data_size values;
+arbitrary bytes with arbitrary Content-Types; arbitrary methods and paths; arbitrary header
+lines. For every example: no 5xx, and a 4xx has the body `{"error": "<string>"}` as JSON.
+Every `CHECK_EVERY` examples, and after each test, a valid request (JSON and binary) must
+still answer what ONNX Runtime computes directly on the same model.
+
+Bounded for CI: the profile "kiln-ci" (the default) is derandomized (the same examples on
+every run), has no deadline and no example database; `max_examples` per test keeps the
+file under a minute on two cores. `KILN_FUZZ_PROFILE=kiln-explore` runs random examples, ten
+times as many, for hunting locally. Hypothesis writes nothing into the repository: its
+home directory is a temporary one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, configuration, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_http, test_server
+
+from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, NAME,  # noqa: E402
+                          Answer, Built, ServerThread, assert_still_serves, http_request,
+                          json_inputs, raw_exchange, sample)
+
+from kiln.runtime.protocol import (decode_infer_response,  # noqa: E402
+                                   encode_infer_request)
+
+configuration.set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "kiln-hypothesis")
+
+settings.register_profile(
+    "kiln-ci", deadline=None, derandomize=True, database=None, print_blob=False,
+    report_multiple_bugs=False,
+    # Examples are HTTP round trips; big bodies are the point, not a smell.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.large_base_example])
+settings.register_profile("kiln-explore", settings.get_profile("kiln-ci"), derandomize=False)
+PROFILE = os.environ.get("KILN_FUZZ_PROFILE", "kiln-ci")
+SCALE = 10 if PROFILE == "kiln-explore" else 1
+
+
+def fuzz_settings(examples: int) -> settings:
+    return settings(settings.get_profile(PROFILE), max_examples=examples * SCALE)
+
+
+pytestmark = pytest.mark.timeout(300)
+
+CHECK_EVERY = 50  # examples between two checks that a valid request still answers right
+OUTPUT_NAMES = ("scores", "label", "pooled")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    return Built(tmp_path_factory.mktemp("fuzz"))
+
+
+@dataclass
+class Fuzzed:
+    srv: ServerThread
+    built: Built
+    examples: int = 0
+
+    @property
+    def port(self) -> int:
+        return self.srv.port
+
+    def still_serves(self) -> None:
+        """After a test's examples: a valid request still answers correctly."""
+        assert_still_serves(self.port, self.built, seed=self.examples)
+
+    def judge(self, answer: Answer, what: str) -> None:
+        """The property every answer must have; a periodic check that the server still
+        answers a valid request correctly."""
+        assert answer.status < 500, f"a 5xx for {what}: {answer}"
+        if answer.status >= 400:
+            try:
+                doc = json.loads(answer.body)
+            except ValueError:
+                raise AssertionError(f"a {answer.status} whose body is not JSON, for {what}: "
+                                     f"{answer}") from None
+            assert isinstance(doc, dict) and isinstance(doc.get("error"), str), \
+                f"a {answer.status} without a string 'error', for {what}: {answer}"
+        self.examples += 1
+        if self.examples % CHECK_EVERY == 0:
+            assert_still_serves(self.port, self.built, seed=self.examples)
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    srv = ServerThread(built.cache, {"cpu": built.rel}, max_body_bytes=HOSTILE_MAX_BODY)
+    assert srv.wait_loaded(), srv.model.status_message()
+    yield Fuzzed(srv, built)
+    srv.close()
+
+
+# -- JSON values, with what json.dumps cannot write ---------------------------------------
+
+@dataclass(frozen=True)
+class Raw:
+    """A literal written into the body as it is."""
+    text: str
+
+    def __repr__(self) -> str:  # Hypothesis prints failing examples: keep 100k '[' short
+        t = self.text
+        return f"Raw({t!r})" if len(t) <= 60 else f"Raw({t[:30]!r} ... {t[-10:]!r}, {len(t)} chars)"
+
+
+def dump(value) -> str:
+    """JSON text of `value`, with `Raw` literals as they are and NaN/Infinity as Python's
+    json writes them (not JSON: the server must refuse them with a 400, not a 5xx)."""
+    if isinstance(value, Raw):
+        return value.text
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(str(k))}:{dump(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(dump(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+V2_WORDS = ["inputs", "outputs", "name", "shape", "datatype", "data", "parameters", "id",
+            "binary_data_size", "binary_data", "binary_data_output", "shared_memory_region",
+            "classification", "features", "token_ids", *OUTPUT_NAMES, "FP32", "INT64",
+            "BYTES", "BOOL", "FP16", "UINT8"]
+
+huge_literals = st.builds(lambda n, sign, digit: Raw(sign + digit + "0" * n),
+                          st.integers(4300, 6000), st.sampled_from(["", "-"]),
+                          st.sampled_from("123456789"))
+deep_literals = st.builds(
+    lambda n, obj: Raw('{"a":' * n + "0" + "}" * n) if obj else Raw("[" * n + "]" * n),
+    st.integers(900, 100_000), st.booleans())
+non_finite = st.sampled_from([Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e400"),
+                              Raw("-1e400")])
+leaves = (st.none() | st.booleans() | st.integers() | st.floats()
+          | st.integers(min_value=-2 ** 70, max_value=2 ** 70)
+          | st.text(max_size=12) | st.sampled_from(V2_WORDS)
+          | huge_literals | non_finite | deep_literals)
+keys = st.sampled_from(V2_WORDS) | st.text(max_size=8)
+json_values = st.recursive(
+    leaves, lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(keys, children, max_size=5), max_leaves=12)
+
+# Objects shaped like an inference request, each field anything: gets past the first checks.
+INPUT_FIELDS = ["name", "shape", "datatype", "data", "parameters"]
+near_requests = st.fixed_dictionaries(
+    {"inputs": st.lists(st.dictionaries(st.sampled_from(INPUT_FIELDS), json_values, max_size=5),
+                        max_size=3)},
+    optional={"outputs": st.lists(st.dictionaries(st.sampled_from(["name", "parameters"]),
+                                                  json_values, max_size=2), max_size=3)
+              | json_values,
+              "parameters": st.dictionaries(keys, json_values, max_size=3) | json_values,
+              "id": json_values})
+
+
+def post(server: Fuzzed, body: bytes, headers: dict[str, str] | None = None,
+         path: str = INFER) -> Answer:
+    return http_request(server.port, "POST", path, body,
+                        {"Content-Type": "application/json", **(headers or {})})
+
+
+def test_arbitrary_json_bodies(server):
+    @fuzz_settings(800)
+    @given(st.one_of(json_values, near_requests))
+    def prop(value):
+        body = dump(value).encode()
+        server.judge(post(server, body), f"the body {body[:200]!r}")
+    prop()
+    server.still_serves()
+
+
+# -- valid requests, mutated field by field -----------------------------------------------
+
+confusing = st.sampled_from([[], {}, "", 0, -1, 1.5, None, True, False, "FP32", "INT64",
+                             [1], [[1]], {"name": "features"}, 2 ** 64, -2 ** 63 - 1])
+replacements = confusing | json_values
+
+FIELD_PATHS = (
+    [("id",), ("parameters",), ("parameters", "binary_data_output"), ("inputs",),
+     ("outputs",)]
+    + [("inputs", i, *rest) for i in (0, 1) for rest in
+       [(), ("name",), ("shape",), ("datatype",), ("data",), ("parameters",), ("shape", 0),
+        ("shape", 1), ("data", 0), ("parameters", "binary_data_size")]]
+    + [("outputs", j, *rest) for j in (0, 1) for rest in
+       [(), ("name",), ("parameters",), ("parameters", "binary_data")]])
+
+
+def mutate(doc, path: tuple, value, delete: bool) -> bool:
+    """Set (or delete) `path` in `doc`; False when an earlier mutation removed the way."""
+    node = doc
+    for step in path[:-1]:
+        if isinstance(node, dict) and isinstance(step, str) and step in node:
+            node = node[step]
+        elif isinstance(node, list) and isinstance(step, int) and step < len(node):
+            node = node[step]
+        else:
+            return False
+    last = path[-1]
+    if isinstance(node, dict) and isinstance(last, str):
+        if delete:
+            node.pop(last, None)
+        else:
+            node[last] = value
+        return True
+    if isinstance(node, list) and isinstance(last, int) and last < len(node):
+        if delete:
+            del node[last]
+        else:
+            node[last] = value
+        return True
+    return False
+
+
+@st.composite
+def mutated_requests(draw):
+    inputs = sample(draw(st.integers(1, 4)), draw(st.integers(0, 10_000)))
+    entries = json_inputs(inputs)
+    for entry in entries:
+        entry["parameters"] = {}
+    doc = {"id": draw(st.text(max_size=8)), "inputs": entries,
+           "outputs": [{"name": n, "parameters": {"binary_data": draw(st.booleans())}}
+                       for n in draw(st.lists(st.sampled_from(OUTPUT_NAMES), min_size=1,
+                                              max_size=3, unique=True))],
+           "parameters": {"binary_data_output": False}}
+    touched = []
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(FIELD_PATHS))
+        if mutate(doc, path, draw(replacements), draw(st.integers(0, 4)) == 0):
+            touched.append(path)
+    return doc, inputs, touched
+
+
+def answers_right(answer: Answer, inputs, built: Built) -> None:
+    """A 200's outputs are what ONNX Runtime computes for `inputs`."""
+    length = answer.headers.get(HEADER_LENGTH.lower())
+    doc = decode_infer_response(answer.body, int(length) if length is not None else None)
+    expected = built.expected(inputs)
+    for out in doc["outputs"]:
+        np.testing.assert_allclose(out["data"], expected[out["name"]], rtol=1e-5, atol=1e-5,
+                                   err_msg=out["name"])
+
+
+def test_mutated_valid_requests(server):
+    @fuzz_settings(1000)
+    @given(mutated_requests())
+    def prop(case):
+        doc, inputs, touched = case
+        body = dump(doc).encode()
+        answer = post(server, body)
+        server.judge(answer, f"mutations {touched} giving {body[:300]!r}")
+        if answer.status == 200 and not any(p[0] == "inputs" for p in touched):
+            answers_right(answer, inputs, server.built)
+    prop()
+    server.still_serves()
+
+
+# -- the binary tensor extension ----------------------------------------------------------
+
+header_texts = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF,
+                                     exclude_characters="\x7f"), max_size=30)
+sizes = (st.integers() | st.integers(min_value=-2 ** 70, max_value=2 ** 70) | huge_literals
+         | non_finite | st.floats() | st.text(max_size=6) | st.booleans() | st.none()
+         | st.lists(st.integers(), max_size=2))
+
+
+@st.composite
+def binary_requests(draw):
+    rows = draw(st.integers(1, 4))
+    inputs = sample(rows, draw(st.integers(0, 10_000)))
+    body, n = encode_infer_request(inputs, binary=True, binary_outputs=draw(st.booleans()))
+    header, tail = body[:n], body[n:]
+    changed = []
+    if draw(st.booleans()):  # binary_data_size of one input, anything
+        doc = json.loads(header)
+        i = draw(st.integers(0, len(doc["inputs"]) - 1))
+        doc["inputs"][i]["parameters"]["binary_data_size"] = draw(sizes)
+        header = dump(doc).encode()
+        changed.append(f"binary_data_size of inputs[{i}]")
+    tail_op = draw(st.sampled_from(["keep", "append", "truncate", "replace"]))
+    if tail_op == "append":
+        tail += draw(st.binary(min_size=1, max_size=64))
+    elif tail_op == "truncate":
+        tail = tail[:draw(st.integers(0, max(0, len(tail) - 1)))]
+    elif tail_op == "replace":
+        tail = draw(st.binary(max_size=256))
+    if tail_op != "keep":
+        changed.append(f"tail {tail_op}")
+    body = header + tail
+    value = draw(st.one_of(
+        st.just(str(len(header))), st.integers(-10 ** 6, 10 ** 6).map(str),
+        st.integers(len(body) + 1, 10 ** 20).map(str), header_texts,
+        st.integers(1, 5000).map(lambda k: "9" * k), st.none()))
+    if value != str(len(header)):
+        changed.append(f"{HEADER_LENGTH} {value!r:.40}")
+    headers = {"Content-Type": "application/octet-stream"}
+    if value is not None:
+        headers[HEADER_LENGTH] = value
+    return body, headers, inputs, changed
+
+
+def test_binary_extension(server):
+    @fuzz_settings(800)
+    @given(binary_requests())
+    def prop(case):
+        body, headers, inputs, changed = case
+        answer = post(server, body, headers)
+        server.judge(answer, f"a binary request with {changed}: {body[:200]!r}")
+        if answer.status == 200 and not changed:
+            answers_right(answer, inputs, server.built)
+    prop()
+    server.still_serves()
+
+
+# -- arbitrary bytes and Content-Types ----------------------------------------------------
+
+content_types = st.sampled_from(["application/json", "application/octet-stream", "text/plain",
+                                 "", "application/json; charset=utf-16",
+                                 "multipart/form-data; boundary=x",
+                                 "application/x-www-form-urlencoded"]) | header_texts
+
+
+@st.composite
+def byte_bodies(draw):
+    valid = json.dumps({"inputs": json_inputs(sample(1))}).encode()
+    kind = draw(st.sampled_from(["random", "flipped", "cut", "utf16"]))
+    if kind == "random":
+        return draw(st.binary(max_size=512))
+    if kind == "flipped":
+        data = bytearray(valid)
+        for _ in range(draw(st.integers(1, 4))):
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        return bytes(data)
+    if kind == "cut":
+        return valid[:draw(st.integers(0, len(valid) - 1))]
+    return valid.decode().encode("utf-16")
+
+
+def test_arbitrary_bytes_and_content_types(server):
+    @fuzz_settings(600)
+    @given(byte_bodies(), content_types, st.none() | header_texts)
+    def prop(body, ctype, header_length):
+        headers = {"Content-Type": ctype}
+        if header_length is not None:
+            headers[HEADER_LENGTH] = header_length
+        server.judge(post(server, body, headers), f"{headers} and the body {body[:200]!r}")
+    prop()
+    server.still_serves()
+
+
+# -- arbitrary methods and paths on the v2 routes -----------------------------------------
+
+segments = st.sampled_from([NAME, "1", "2", "", "..", "%", "versions", "infer", "ready"]) \
+    | st.text(max_size=12)
+
+
+@st.composite
+def routes(draw):
+    name, version = draw(segments), draw(segments)
+    template = draw(st.sampled_from([
+        "/v2/models/{n}/infer", "/v2/models/{n}/versions/{v}/infer", "/v2/models/{n}",
+        "/v2/models/{n}/versions/{v}", "/v2/models/{n}/ready", "/v2/models/{n}/versions/{v}/ready",
+        "/v2", "/v2/health/live", "/v2/health/ready", "/v2/{n}", "/{n}", "/metrics"]))
+    path = template.format(n=urllib.parse.quote(name, safe=""),
+                           v=urllib.parse.quote(version, safe=""))
+    if draw(st.booleans()):
+        path += "?" + urllib.parse.urlencode({draw(st.text(max_size=5)): draw(st.text(max_size=5))})
+    return draw(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])), path
+
+
+def test_arbitrary_routes(server):
+    valid = json.dumps({"inputs": json_inputs(sample(1))}).encode()
+
+    @fuzz_settings(400)
+    @given(routes(), st.sampled_from([b"", valid, b"{}", b"\xff"]))
+    def prop(route, body):
+        method, path = route
+        answer = http_request(server.port, method, path, body,
+                              {"Content-Type": "application/json"})
+        server.judge(answer, f"{method} {path} with {body[:40]!r}")
+    prop()
+    server.still_serves()
+
+
+# -- arbitrary header lines (raw sockets) --------------------------------------------------
+
+header_names = st.sampled_from(["Content-Type", "Content-Length", "Transfer-Encoding", "Expect",
+                                "Connection", "Host", HEADER_LENGTH, "Content-Encoding"]) \
+    .map(str.encode) | st.binary(max_size=16).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+header_values = (st.binary(max_size=32) | st.integers(8000, 9000).map(lambda n: b"v" * n)
+                 | st.sampled_from([b"chunked", b"gzip", b"100-continue", b"close", b"-1",
+                                    b"abc", b"application/json", b"0"])) \
+    .map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+
+
+def test_arbitrary_header_lines(server):
+    body = json.dumps({"inputs": json_inputs(sample(1))}).encode()
+
+    @fuzz_settings(300)
+    @given(st.lists(st.tuples(header_names, header_values), min_size=1, max_size=4))
+    def prop(lines):
+        head = b"".join(n + b": " + v + b"\r\n" for n, v in lines)
+        data = (f"POST {INFER} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() + head
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        server.judge(raw_exchange(server.port, data), f"the header lines {head[:300]!r}")
+    prop()
+    server.still_serves()
+
+
+def test_profile_writes_nothing_into_the_repository():
+    repo = Path(__file__).resolve().parents[2]
+    assert not (repo / ".hypothesis").exists()
+    assert settings.get_profile("kiln-ci").database is None
+    assert settings.get_profile("kiln-ci").derandomize
