@@ -181,6 +181,29 @@ class _Server(web.Server):
         return False
 
 
+def _json_error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=error_body(message), content_type="application/json")
+
+
+def _before_the_app(handle):
+    """The app's handler, with what aiohttp does before the app's middleware (the Expect
+    header, its system routes' exceptions) answered in JSON too."""
+
+    async def handler(request: web.BaseRequest) -> web.StreamResponse:
+        expect = request.headers.get("Expect")
+        if expect is not None and expect.lower() != "100-continue":
+            return _json_error(417, f"Expect {_short(repr(expect), 64)} is not supported; "
+                                    f"only 100-continue is")
+        try:
+            return await handle(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _json_error(e.status, _short(e.reason))
+
+    return handler
+
+
 class Runner(web.AppRunner):
     """An AppRunner whose server is `_Server` (bounded connections, JSON parse errors)."""
 
@@ -190,6 +213,7 @@ class Runner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()  # starts and freezes the app
-        return _Server(server.request_handler, request_factory=server.request_factory,
+        return _Server(_before_the_app(server.request_handler),
+                       request_factory=server.request_factory,
                        handler_cancellation=server.handler_cancellation,
                        limits=self._limits, **server._kwargs)

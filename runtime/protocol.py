@@ -127,7 +127,7 @@ def header_length(value: str | None, body_size: int) -> int | None:
     try:
         n = int(value.strip())
     except ValueError:
-        raise bad_request(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+        raise bad_request(f"{HEADER_LENGTH} must be an integer, got {shown(value)}") from None
     if n < 0 or n > body_size:
         raise bad_request(f"{HEADER_LENGTH} is {n} but the body has {body_size} bytes")
     return n
@@ -327,13 +327,11 @@ def _json_data(name: str, data: Any, shape: list[int], datatype: str,
     except (ValueError, RecursionError):
         raise bad_request(f"input '{name}': 'data' is a ragged nested list") from None
     kind = source.dtype.kind
-    if kind == "U" and dtype.kind == "f":  # "NaN", "Infinity", "-Infinity" (or numbers)
-        try:
-            source = source.astype(dtype)
-        except ValueError:
+    if kind == "U" and dtype.kind == "f":
+        if not _numbers_or_non_finite_names(data):
             raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype} "
-                              f"(or the strings \"NaN\", \"Infinity\", \"-Infinity\")") from None
-        kind = "f"
+                              f"(or the strings \"NaN\", \"Infinity\", \"-Infinity\")")
+        source, kind = source.astype(dtype), "f"
     if source.size and kind not in "biuf":
         raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype}")
     if dtype.kind == "b" and source.size and kind != "b":
@@ -348,6 +346,17 @@ def _json_data(name: str, data: Any, shape: list[int], datatype: str,
         if source.min() < info.min or source.max() > info.max:
             raise bad_request(f"input '{name}': a value is out of range for {datatype}")
     return source.astype(dtype).reshape(shape)
+
+
+_NON_FINITE_NAMES = frozenset({"NaN", "Infinity", "-Infinity"})
+
+
+def _numbers_or_non_finite_names(data: list) -> bool:
+    # numpy turned the whole list into strings; only the proto3 names may have been strings.
+    return all(_numbers_or_non_finite_names(v) if isinstance(v, list)
+               else v in _NON_FINITE_NAMES if isinstance(v, str)
+               else isinstance(v, (int, float)) and not isinstance(v, bool)
+               for v in data)
 
 
 def check_shape(name: str, shape: tuple[int, ...], model_shape: tuple[int, ...]) -> None:

@@ -86,7 +86,7 @@ def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None,
                    **extra: Any) -> web.Response:
     if len(message) > _MAX_ERROR_CHARS:
-        message = message[:_MAX_ERROR_CHARS] + "…"
+        message = message[:_MAX_ERROR_CHARS - 1] + "…"
     return json_response({"error": message, **extra}, status, headers)
 
 
@@ -269,11 +269,11 @@ class InferenceServer:
         name = request.match_info["name"]
         model = self.models.get(name)
         if model is None:
-            raise ProtocolError(404, f"unknown model '{name}'; this server serves: "
+            raise ProtocolError(404, f"unknown model {protocol.shown(name)}; this server serves: "
                                      f"{', '.join(self.models)}")
         version = request.match_info.get("version")
         if version is not None and version != model.version:
-            raise ProtocolError(404, f"model '{name}' has no version '{version}'; it serves "
+            raise ProtocolError(404, f"model '{name}' has no version {protocol.shown(version)}; it serves "
                                      f"version '{model.version}'")
         return model
 
@@ -407,7 +407,7 @@ class InferenceServer:
         if length is not None and length > limit:
             raise self._too_big(length, limit, why)
         header = request.headers.get(HEADER_LENGTH, "").strip()
-        json_bytes = int(header) if header.isdigit() else length
+        json_bytes = int(header) if header.isdigit() and len(header) < 20 else length
         if (json_bytes is None or json_bytes > _OFFLOAD_JSON_BYTES) and self._json_worker.full:
             raise Overloaded(1.0, "too many large JSON requests are being decoded; retry, or "
                                   "send the tensors in the binary extension")

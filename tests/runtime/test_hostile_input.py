@@ -34,7 +34,9 @@ from kiln.runtime.protocol import encode_infer_request  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
-DEEP = 100_000
+# Both stay below the test model's request bound (about 72 KB: 16 rows of 7 elements), so
+# they reach the JSON parser instead of being refused as too big from the headers.
+DEEP = 10_000  # the C decoder's recursion limit is about 1,000 levels
 HUGE_INT = "9" * 5000  # above Python's int-str conversion limit (4300 digits)
 MIB = 1024 * 1024
 
@@ -180,7 +182,7 @@ HUGE_SHAPES = {
     "2^63-1 rows": lambda: (with_input("features", shape=[2 ** 63 - 1, 4]), None),
     "2^62 columns": lambda: (with_input("features", shape=[1, 2 ** 62]), None),
     "2^32 x 2^32": lambda: (with_input("features", shape=[2 ** 32, 2 ** 32]), None),
-    "rank 100k": lambda: (with_input("features", shape=[1] * 100_000), None),
+    "rank 20k": lambda: (with_input("features", shape=[1] * 20_000), None),
     "binary, 2^61 rows claimed": lambda: binary_features([2 ** 61, 4], 2 ** 65, b"\0" * 16),
     "binary, 2^31 rows, exact size, no bytes": lambda: binary_features([2 ** 31, 4], 2 ** 35),
     "binary, 2^62 rows, size 16": lambda: binary_features([2 ** 62, 4], 16, b"\0" * 16),
@@ -333,13 +335,13 @@ def test_malformed_http(server, built, log, case):
 # -- what an error echoes must be bounded --------------------------------------------------
 
 def _echo_cases():
-    long = "x" * MIB
+    long = "x" * 60_000
     return {
-        "input name, 1 MiB": (INFER, json.dumps({"inputs": [
+        "input name, 60 KB": (INFER, json.dumps({"inputs": [
             {**json_inputs(sample(1))[0], "name": long}]}).encode(), None, 400),
-        "output name, 1 MiB": (INFER, json.dumps({**valid_doc(), "outputs": [{"name": long}]})
+        "output name, 60 KB": (INFER, json.dumps({**valid_doc(), "outputs": [{"name": long}]})
                                .encode(), None, 400),
-        "datatype, 1 MiB": (INFER, json.dumps(with_input("features", datatype=long)).encode(),
+        "datatype, 60 KB": (INFER, json.dumps(with_input("features", datatype=long)).encode(),
                             None, 400),
         "model name, 8,000 characters": (f"/v2/models/{'m' * 8000}/infer", VALID_BODY, None, 404),
         f"{HEADER_LENGTH}, 5,000 digits": (INFER, VALID_BODY, {HEADER_LENGTH: HUGE_INT}, 400),
