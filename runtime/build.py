@@ -15,7 +15,8 @@ JSON under 4 KiB, to the termination log, where the operator reads it: {"ok": tr
 Exit codes (reason):
   0  built, or already in the cache
   1  BuildFailed: any other failure (for example the backend's builder refused)
-  2  BadRequest: malformed request or flags, profiles that do not fit the model
+  2  BadRequest: malformed request or flags, profiles that do not fit the model, a
+     file:// or plain-path model URI (only `kiln dev` reads local files)
   3  SourceUnreachable: the model URI cannot be read (network, missing file, too big)
   4  DigestMismatch: the model's sha256 differs from model.sha256
   5  InvalidModel: not a valid ONNX model
@@ -90,7 +91,7 @@ class BuildRequest:
                 raise BadRequest(f"request.{field_name} must be a Kubernetes name, got {value!r}")
         model = d.get("model")
         if not isinstance(model, dict) or not isinstance(model.get("uri"), str) or not model["uri"]:
-            raise BadRequest("request.model.uri is required (pvc://, file://, https://, s3://)")
+            raise BadRequest("request.model.uri is required (pvc://, https://, http://, s3://)")
         if model.get("sha256") is not None and not re.fullmatch(r"[0-9a-fA-F]{64}",
                                                                  str(model["sha256"])):
             raise BadRequest(f"request.model.sha256 must be 64 hex characters, "
@@ -194,11 +195,17 @@ def _backend_error(e: Exception) -> BuildError:
 
 def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
                  pvc_root: str | os.PathLike = DEFAULT_PVC_ROOT, log: Log | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> BuildResult:
-    """Build (or find) the engine a request describes. Raises runtime.errors.BuildError."""
+                 clock: Callable[[], float] = time.monotonic,
+                 allow_local_files: bool = False) -> BuildResult:
+    """Build (or find) the engine a request describes. Raises runtime.errors.BuildError.
+
+    `allow_local_files`: read file:// URIs and plain paths (only `kiln dev` sets it; a build
+    Job must not read its node's disk)."""
     from kiln.runtime import cache, enginekey, fetch
     from kiln.runtime.backends import base, get_backend
 
+    # Checked before the cache lookup too: a refused source is refused on a cache hit as well.
+    fetch.local_path(request.model["uri"], pvc_root, allow_local_files=allow_local_files)
     log = log or (lambda _m: None)
     started = clock()
     try:
@@ -234,7 +241,7 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
             log(f"fetching {request.model['uri']}")
             fetched = fetch.fetch_model(request.model["uri"], workdir,
                                         sha256=request.model.get("sha256"), pvc_root=pvc_root,
-                                        log=log)
+                                        log=log, allow_local_files=allow_local_files)
             onnx_model = fetched.read_bytes()
         log(f"building with {backend.name} {version}")
         build_started = clock()
