@@ -20,7 +20,8 @@ Exit codes (reason):
   3  SourceUnreachable: the model URI cannot be read (network, missing file, too big)
   4  DigestMismatch: the model's sha256 differs from model.sha256
   5  InvalidModel: not a valid ONNX model
-  6  Unsupported: the backend, precision or target cannot work on this builder
+  6  Unsupported: the backend, precision or target cannot work on this builder (or the
+     runtime extra is not installed: the message names the missing module)
   7  OutOfDisk: no space left while downloading or publishing
   8  KeyMismatch: the request's key is not what this builder computes
 """
@@ -315,6 +316,12 @@ def _write_result(path: Path | None, result: dict[str, Any]) -> None:
         stderr_log(f"cannot write the termination log {path}: {e}")
 
 
+def _failed(term: Path | None, e: BuildError) -> int:
+    stderr_log(f"failed ({e.reason}): {e}")
+    _write_result(term, {"ok": False, "reason": e.reason, "message": str(e)})
+    return e.exit_code
+
+
 def run(args: argparse.Namespace) -> int:
     term = _termination_log(args.termination_log)
     try:
@@ -330,10 +337,12 @@ def run(args: argparse.Namespace) -> int:
         request = BuildRequest.from_dict(raw)
         result = build_engine(request, args.cache_dir, pvc_root=args.pvc_root, log=stderr_log)
     except BuildError as e:
-        stderr_log(f"failed ({e.reason}): {e}")
-        _write_result(term, {"ok": False, "reason": e.reason, "message": str(e)})
-        return e.exit_code
+        return _failed(term, e)
     except Exception as e:  # anything unforeseen still leaves a readable reason for the Job
+        from kiln.cli import missing_extra
+
+        if missing_extra("build", e):  # e.g. no onnxruntime: the runtime extra is not installed
+            return _failed(term, Unsupported(missing_extra("build", e)))
         stderr_log(f"failed: {type(e).__name__}: {e}")
         _write_result(term, {"ok": False, "reason": BuildError.reason,
                              "message": f"{type(e).__name__}: {e}"})

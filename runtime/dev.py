@@ -12,7 +12,7 @@ URIs (a build Job refuses them).
 Exit codes: 0 stopped by Ctrl-C; 1 the build or the server failed; 2 the manifest cannot be
 read (not a regular file, over spec.MAX_MANIFEST_BYTES, not YAML, duplicate keys, aliases
 expanding past spec.MAX_YAML_NODES nodes or spec.MAX_YAML_DEPTH levels) or is invalid, or a
-tensorrt manifest on a machine without a GPU.
+tensorrt manifest on a machine without a GPU; 2 also when the runtime extra is missing.
 """
 
 from __future__ import annotations
