@@ -105,7 +105,7 @@ def build(model: Model, cache_dir: Path) -> None:
         "namespace": "bench", "name": model.name, "target": "cpu",
         "model": {"uri": model.onnx_path.as_uri(), "version": "1"},
         "engine": {"backend": "onnxruntime", "precision": "fp32"}})
-    model.rel = build_engine(request, cache_dir).path
+    model.rel = build_engine(request, cache_dir, allow_local_files=True).path
 
 
 # -- the server process --------------------------------------------------------------------

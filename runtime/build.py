@@ -15,11 +15,13 @@ JSON under 4 KiB, to the termination log, where the operator reads it: {"ok": tr
 Exit codes (reason):
   0  built, or already in the cache
   1  BuildFailed: any other failure (for example the backend's builder refused)
-  2  BadRequest: malformed request or flags, profiles that do not fit the model
+  2  BadRequest: malformed request or flags, profiles that do not fit the model, a
+     file:// or plain-path model URI (only `kiln dev` reads local files)
   3  SourceUnreachable: the model URI cannot be read (network, missing file, too big)
   4  DigestMismatch: the model's sha256 differs from model.sha256
   5  InvalidModel: not a valid ONNX model
-  6  Unsupported: the backend, precision or target cannot work on this builder
+  6  Unsupported: the backend, precision or target cannot work on this builder (or the
+     runtime extra is not installed: the message names the missing module)
   7  OutOfDisk: no space left while downloading or publishing
   8  KeyMismatch: the request's key is not what this builder computes
 """
@@ -90,7 +92,7 @@ class BuildRequest:
                 raise BadRequest(f"request.{field_name} must be a Kubernetes name, got {value!r}")
         model = d.get("model")
         if not isinstance(model, dict) or not isinstance(model.get("uri"), str) or not model["uri"]:
-            raise BadRequest("request.model.uri is required (pvc://, file://, https://, s3://)")
+            raise BadRequest("request.model.uri is required (pvc://, https://, http://, s3://)")
         if model.get("sha256") is not None and not re.fullmatch(r"[0-9a-fA-F]{64}",
                                                                  str(model["sha256"])):
             raise BadRequest(f"request.model.sha256 must be 64 hex characters, "
@@ -194,11 +196,17 @@ def _backend_error(e: Exception) -> BuildError:
 
 def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
                  pvc_root: str | os.PathLike = DEFAULT_PVC_ROOT, log: Log | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> BuildResult:
-    """Build (or find) the engine a request describes. Raises runtime.errors.BuildError."""
+                 clock: Callable[[], float] = time.monotonic,
+                 allow_local_files: bool = False) -> BuildResult:
+    """Build (or find) the engine a request describes. Raises runtime.errors.BuildError.
+
+    `allow_local_files`: read file:// URIs and plain paths (only `kiln dev` sets it; a build
+    Job must not read its node's disk)."""
     from kiln.runtime import cache, enginekey, fetch
     from kiln.runtime.backends import base, get_backend
 
+    # Checked before the cache lookup too: a refused source is refused on a cache hit as well.
+    fetch.local_path(request.model["uri"], pvc_root, allow_local_files=allow_local_files)
     log = log or (lambda _m: None)
     started = clock()
     try:
@@ -234,7 +242,7 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
             log(f"fetching {request.model['uri']}")
             fetched = fetch.fetch_model(request.model["uri"], workdir,
                                         sha256=request.model.get("sha256"), pvc_root=pvc_root,
-                                        log=log)
+                                        log=log, allow_local_files=allow_local_files)
             onnx_model = fetched.read_bytes()
         log(f"building with {backend.name} {version}")
         build_started = clock()
@@ -308,6 +316,12 @@ def _write_result(path: Path | None, result: dict[str, Any]) -> None:
         stderr_log(f"cannot write the termination log {path}: {e}")
 
 
+def _failed(term: Path | None, e: BuildError) -> int:
+    stderr_log(f"failed ({e.reason}): {e}")
+    _write_result(term, {"ok": False, "reason": e.reason, "message": str(e)})
+    return e.exit_code
+
+
 def run(args: argparse.Namespace) -> int:
     term = _termination_log(args.termination_log)
     try:
@@ -323,10 +337,12 @@ def run(args: argparse.Namespace) -> int:
         request = BuildRequest.from_dict(raw)
         result = build_engine(request, args.cache_dir, pvc_root=args.pvc_root, log=stderr_log)
     except BuildError as e:
-        stderr_log(f"failed ({e.reason}): {e}")
-        _write_result(term, {"ok": False, "reason": e.reason, "message": str(e)})
-        return e.exit_code
+        return _failed(term, e)
     except Exception as e:  # anything unforeseen still leaves a readable reason for the Job
+        from kiln.cli import missing_extra
+
+        if missing_extra("build", e):  # e.g. no onnxruntime: the runtime extra is not installed
+            return _failed(term, Unsupported(missing_extra("build", e)))
         stderr_log(f"failed: {type(e).__name__}: {e}")
         _write_result(term, {"ok": False, "reason": BuildError.reason,
                              "message": f"{type(e).__name__}: {e}"})

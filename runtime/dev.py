@@ -6,7 +6,13 @@ server code as a runtime pod, on 127.0.0.1 by default. The onnxruntime backend r
 the CPU; a tensorrt manifest needs an NVIDIA GPU here.
 
 A relative `file:` URI in spec.model.uri (`file://./model.onnx`, `file:model.onnx`) is
-resolved against the manifest's directory.
+resolved against the manifest's directory; `kiln dev` is the one command that reads file:
+URIs (a build Job refuses them).
+
+Exit codes: 0 stopped by Ctrl-C; 1 the build or the server failed; 2 the manifest cannot be
+read (not a regular file, over spec.MAX_MANIFEST_BYTES, not YAML, duplicate keys, aliases
+expanding past spec.MAX_YAML_NODES nodes or spec.MAX_YAML_DEPTH levels) or is invalid, or a
+tensorrt manifest on a machine without a GPU; 2 also when the runtime extra is missing.
 """
 
 from __future__ import annotations
@@ -83,16 +89,14 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
         obj = spec.load_manifest(path)
-    except FileNotFoundError:
-        return _fail(f"{path}: no such file", 2)
-    except Exception as e:  # YAML errors, no InferenceModel in the file
-        return _fail(f"{path}: {e}", 2)
-    try:
-        model_spec = (obj.get("spec") or {}).get("model") or {}
-        if isinstance(model_spec.get("uri"), str):
+    except spec.ManifestError as e:
+        return _fail(str(e), 2)
+    model_spec = obj.get("spec", {}).get("model") if isinstance(obj.get("spec"), dict) else None
+    if isinstance(model_spec, dict) and isinstance(model_spec.get("uri"), str):
+        try:
             model_spec["uri"] = resolve_model_uri(model_spec["uri"], path.resolve().parent)
-    except (ValueError, AttributeError) as e:
-        return _fail(f"{path}: {e}", 2)
+        except ValueError as e:
+            return _fail(f"{path}: spec.model.uri: {e}", 2)
     errors = spec.validate(obj)
     if errors:
         lines = [f"{path}: the InferenceModel is invalid ({len(errors)} error"
@@ -100,11 +104,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(lines), file=sys.stderr, flush=True)
         return 2
     obj = spec.apply_defaults(obj)
-    metadata = obj.get("metadata") or {}
-    name = metadata.get("name")
-    if not name:
-        return _fail(f"{path}: metadata.name is required", 2)
-    namespace = metadata.get("namespace") or "default"
+    name = obj["metadata"]["name"]  # validate() checked it
+    namespace = obj["metadata"].get("namespace") or "default"
     body = obj["spec"]
     backend = body["engine"]["backend"]
 
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         request = BuildRequest.from_dict({"namespace": namespace, "name": name,
                                           "model": body["model"], "engine": body["engine"],
                                           "target": target})
-        result = build_engine(request, cache_dir)
+        result = build_engine(request, cache_dir, allow_local_files=True)
     except BuildError as e:
         return _fail(f"build failed ({e.reason}): {e}", 1)
     key = result.manifest.key

@@ -1,10 +1,12 @@
 """Fetch the ONNX model a build starts from, hashing it as it streams.
 
-Sources: `pvc://<claim>/<path>` (the claim mounted at `<pvc_root>/<claim>`),
-`file:///<path>` and plain paths, `https://` and `http://` (timeout and size bound,
-streamed to a temporary file), `s3://<bucket>/<key>` (boto3, the `kiln-operator[s3]`
-extra). Failures are typed (runtime.errors) so `kiln build` exits with a code a Job
-status can be read by.
+Sources: `pvc://<claim>/<path>` (the claim mounted at `<pvc_root>/<claim>`; symlinks may
+not leave it), `https://` and `http://` (timeout and size bound, streamed to a temporary
+file), `s3://<bucket>/<key>` (boto3, the `kiln-operator[s3]` extra), and, only with
+`allow_local_files` (`kiln dev`), `file:///<path>` and plain paths: a build Job must not
+read its node's disk. Local sources are read only when they are regular files (a FIFO,
+a device or a directory is refused, without blocking). Failures are typed
+(runtime.errors) so `kiln build` exits with a code a Job status can be read by.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable, Iterator
 
 from kiln.runtime.errors import (BadRequest, DigestMismatch, OutOfDisk, SourceUnreachable,
                                  Unsupported)
+from kiln.runtime.localfile import NotARegularFile, open_regular
 
 from kiln.runtime.contract import PVC_ROOT as DEFAULT_PVC_ROOT
 DEFAULT_TIMEOUT_SECONDS = 60.0
@@ -40,7 +43,8 @@ class FetchedModel:
     source: str  # the URI as given
 
     def read_bytes(self) -> bytes:
-        return self.path.read_bytes()
+        with open_regular(self.path) as f:
+            return f.read()
 
 
 def _hash_stream(chunks: Iterator[bytes], out, max_bytes: int, uri: str) -> tuple[str, int]:
@@ -64,8 +68,10 @@ def _file_chunks(f) -> Iterator[bytes]:
         yield chunk
 
 
-def local_path(uri: str, pvc_root: str | os.PathLike = DEFAULT_PVC_ROOT) -> Path | None:
-    """The file a local URI names, or None when the URI is remote. Bad URIs raise BadRequest."""
+def local_path(uri: str, pvc_root: str | os.PathLike = DEFAULT_PVC_ROOT, *,
+               allow_local_files: bool = False) -> Path | None:
+    """The file a local URI names, or None when the URI is remote. Bad URIs raise BadRequest,
+    and so do file:// URIs and plain paths unless `allow_local_files` (only `kiln dev`)."""
     parsed = urllib.parse.urlsplit(uri)
     if parsed.scheme == "pvc":
         claim, rel = parsed.netloc, urllib.parse.unquote(parsed.path).lstrip("/")
@@ -76,25 +82,30 @@ def local_path(uri: str, pvc_root: str | os.PathLike = DEFAULT_PVC_ROOT) -> Path
         if base != path and base not in path.parents:
             raise BadRequest(f"{uri}: the path leaves the volume {claim!r}")
         return path
-    if parsed.scheme == "file":
+    if not uri:
+        raise BadRequest("the model URI is empty")
+    if parsed.scheme == "file" or parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
+        if not allow_local_files:
+            raise BadRequest(f"{uri}: file:// URIs and plain paths are read only by `kiln dev`; "
+                             f"a build Job reads pvc://<claim>/<path>, https://, http:// or s3://")
+        if parsed.scheme != "file":
+            return Path(uri)
         if parsed.netloc not in ("", "localhost"):
             raise BadRequest(f"{uri}: a file URI has no host (file:///absolute/path)")
         return Path(urllib.parse.unquote(parsed.path))
-    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
-        if not uri:
-            raise BadRequest("the model URI is empty")
-        return Path(uri)
     if parsed.scheme in ("http", "https", "s3"):
         return None
-    raise BadRequest(f"{uri}: unsupported scheme {parsed.scheme!r}; use pvc://, file://, "
-                     f"https://, http:// or s3://")
+    raise BadRequest(f"{uri}: unsupported scheme {parsed.scheme!r}; use pvc://, https://, "
+                     f"http:// or s3:// (or file:// with `kiln dev`)")
 
 
 def fetch_model(uri: str, workdir: str | os.PathLike, *, sha256: str | None = None,
                 pvc_root: str | os.PathLike = DEFAULT_PVC_ROOT,
                 timeout: float = DEFAULT_TIMEOUT_SECONDS, max_bytes: int = DEFAULT_MAX_BYTES,
-                log: Callable[[str], None] | None = None) -> FetchedModel:
+                log: Callable[[str], None] | None = None,
+                allow_local_files: bool = False) -> FetchedModel:
     """Fetch `uri` (downloads go into `workdir`), hash it while streaming, check the pin.
+    `allow_local_files` lets file:// URIs and plain paths through (`kiln dev` only).
 
     Raises BadRequest, SourceUnreachable, DigestMismatch, OutOfDisk or Unsupported.
     """
@@ -102,7 +113,7 @@ def fetch_model(uri: str, workdir: str | os.PathLike, *, sha256: str | None = No
         sha256 = sha256.lower()
         if not _SHA256.match(sha256):
             raise BadRequest(f"model.sha256 must be 64 hex characters, got {sha256!r}")
-    path = local_path(uri, pvc_root)
+    path = local_path(uri, pvc_root, allow_local_files=allow_local_files)
     try:
         if path is not None:
             digest, size = _fetch_local(uri, path, max_bytes)
@@ -126,14 +137,17 @@ def fetch_model(uri: str, workdir: str | os.PathLike, *, sha256: str | None = No
 
 def _fetch_local(uri: str, path: Path, max_bytes: int) -> tuple[str, int]:
     try:
-        with open(path, "rb") as f:
-            return _hash_stream(_file_chunks(f), None, max_bytes, uri)
+        f = open_regular(path)
     except FileNotFoundError:
         raise SourceUnreachable(f"{uri}: no such file {path}") from None
-    except IsADirectoryError:
-        raise SourceUnreachable(f"{uri}: {path} is a directory, not an ONNX file") from None
     except PermissionError:
         raise SourceUnreachable(f"{uri}: permission denied reading {path}") from None
+    except NotARegularFile as e:
+        raise SourceUnreachable(f"{uri}: {e}; the model must be an ONNX file") from None
+    except OSError as e:
+        raise SourceUnreachable(f"{uri}: cannot open {path}: {e.strerror or e}") from None
+    with f:
+        return _hash_stream(_file_chunks(f), None, max_bytes, uri)
 
 
 def _fetch_http(uri: str, dest: Path, timeout: float, max_bytes: int) -> tuple[str, int]:

@@ -111,3 +111,92 @@ def test_reconcile_and_step_functions_fit_on_one_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 50, f"operator/{name}.py:{node.name} is {length} lines"
+
+
+# ------------------------------------------------------------------------ extras
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Runs `kiln ARGS` with the modules named in argv[1] (comma-separated) unimportable, exactly
+# as when their package is not installed (None in sys.modules makes `import` raise
+# ModuleNotFoundError); "*" leaves only the base install: the standard library, PyYAML, numpy.
+WITHOUT = """
+import importlib.abc, sys
+blocked = sys.argv[1]
+class BaseInstallOnly(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top not in sys.stdlib_module_names and top not in ("kiln", "yaml", "numpy", "_yaml"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+if blocked == "*":
+    sys.meta_path.insert(0, BaseInstallOnly())
+else:
+    for name in blocked.split(","):
+        sys.modules[name] = None
+from kiln.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def kiln_without(modules: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT, modules, *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=60)
+
+
+def manifest(tmp: Path) -> Path:
+    (tmp / "m.onnx").write_bytes(b"not read: the command stops before")
+    path = tmp / "m.yaml"
+    path.write_text("apiVersion: kiln.dev/v1alpha1\nkind: InferenceModel\nmetadata: {name: m}\n"
+                    "spec:\n  model: {uri: 'file://./m.onnx', version: '1'}\n"
+                    "  engine: {backend: onnxruntime, precision: fp32, targets: [cpu]}\n")
+    return path
+
+
+BUILD_REQUEST = json.dumps({"namespace": "ml", "name": "m", "model": {"uri": "pvc://models/m.onnx", "version": "1"},
+                            "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"})
+
+# (command line, a module of its extra to take away, the extra, the exit code)
+EXTRA_CASES = [
+    (["dev", "m.yaml"], "jsonschema", "runtime", 2),
+    (["dev", "m.yaml"], "celpy", "runtime", 2),
+    (["serve", "--model-name", "m", "--engine", "cpu=ml/m/0123", "--port", "0"], "aiohttp", "runtime", 2),
+    (["serve", "--model-name", "m", "--engine", "cpu=ml/m/0123", "--port", "0"], "prometheus_client", "runtime", 2),
+    (["build", "--request", BUILD_REQUEST, "--pvc-root", ".", "--cache-dir", "cache",
+      "--termination-log", "term"], "onnxruntime", "runtime", 6),
+    (["operator", "--standalone"], "kopf", "operator", 2),
+    (["rollout", "status", "m"], "kubernetes", "operator", 2),
+]
+
+
+@pytest.mark.parametrize("argv, module, extra, code", EXTRA_CASES, ids=lambda c: c if isinstance(c, str) else None)
+def test_a_command_without_its_extra_names_the_extra(tmp_path, argv, module, extra, code):
+    manifest(tmp_path)
+    proc = kiln_without(module, *argv, cwd=tmp_path)
+    line = f"kiln {argv[0]} needs the {extra} extra: pip install 'kiln-operator[{extra}]' (missing module {module})"
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr and line in proc.stderr, proc.stderr
+    if argv[0] == "build":  # the build Job's contract: the reason is in the termination message
+        assert json.loads((tmp_path / "term").read_text()) == {"ok": False, "reason": "Unsupported", "message": line}
+    else:
+        assert proc.stderr == line + "\n"
+
+
+@pytest.mark.parametrize("argv, module, extra, code", EXTRA_CASES, ids=lambda c: c if isinstance(c, str) else None)
+def test_the_base_install_alone_names_the_extra_too(tmp_path, argv, module, extra, code):
+    # `pip install kiln-operator`: every module of every extra is missing at once.
+    manifest(tmp_path)
+    proc = kiln_without("*", *argv, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"kiln {argv[0]} needs the {extra} extra: pip install 'kiln-operator[{extra}]' (missing module " \
+        in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], *([c, "--help"] for c in ("operator", "build", "serve", "dev", "rollout"))],
+                         ids=" ".join)
+def test_help_works_with_the_base_install(tmp_path, argv):
+    proc = kiln_without("*", *argv, cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith(f"usage: kiln {' '.join(argv[:-1])}".rstrip())

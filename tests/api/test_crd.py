@@ -146,6 +146,7 @@ def test_status_written_by_the_operator_is_accepted():
         'status.phase: Unsupported value: "Happy": supported values: "Pending", "Building", '
         '"Deploying", "Ready", "Progressing", "Degraded", "Failed"',
         'status.conditions[1]: Duplicate value: {"type": "EngineReady"}',
+        spec.RULES_NOT_CHECKED,  # an unsupported value stops the CEL rules, as in the API server
     ]
 
 

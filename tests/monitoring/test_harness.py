@@ -47,7 +47,8 @@ def kiln_serve(tmp_path):
     cache = tmp_path / "cache"
     built = build_engine(BuildRequest.from_dict({
         "namespace": NAMESPACE, "name": MODEL, "model": {"uri": DEMO_MODEL.as_uri(), "version": "1"},
-        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}), cache)
+        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}), cache,
+        allow_local_files=True)
     port = free_port()
     with open(tmp_path / "kiln-serve.log", "wb") as log:
         proc = subprocess.Popen([str(KILN), "serve", "--model-name", MODEL, "--model-version", "1",

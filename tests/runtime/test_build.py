@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -74,10 +75,39 @@ def test_build_then_cache_hit(tmp_path, model):
 
 
 def test_build_engine_python_api(tmp_path, model):
-    res = build.build_engine(build.BuildRequest.from_dict(request(str(model))), tmp_path / "c")
+    res = build.build_engine(build.BuildRequest.from_dict(request("pvc://models/mlp/model.onnx")),
+                             tmp_path / "c", pvc_root=tmp_path)
     assert not res.cache_hit and res.path == cache.relative_path("ml", "mlp", res.manifest.key)
     data, manifest, _ = cache.read_verified(tmp_path / "c" / res.path)
     assert manifest == res.manifest and len(data) == manifest.size_bytes
+
+
+@pytest.mark.parametrize("form", ["file URI", "plain absolute path", "plain relative path"])
+def test_kiln_build_refuses_local_files_even_on_a_cache_hit(tmp_path, model, form, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where `kiln build` runs, so the relative path names the model
+    uri = {"file URI": model.as_uri(), "plain absolute path": str(model),
+           "plain relative path": "models/mlp/model.onnx"}[form]
+    req = request(uri)
+    proc, result = kiln_build(tmp_path, req)
+    message = (f"{uri}: file:// URIs and plain paths are read only by `kiln dev`; a build Job "
+               f"reads pvc://<claim>/<path>, https://, http:// or s3://")
+    assert proc.returncode == 2, proc.stderr
+    assert result == {"ok": False, "reason": "BadRequest", "message": message}
+    assert message in proc.stderr and "fetching" not in proc.stderr
+    # The same request built in-process as `kiln dev` does it: `kiln build` still refuses it.
+    build.build_engine(build.BuildRequest.from_dict(req), tmp_path / "cache", allow_local_files=True)
+    proc, result = kiln_build(tmp_path, req)
+    assert proc.returncode == 2 and result["reason"] == "BadRequest" and "cache hit" not in proc.stderr
+
+
+@pytest.mark.timeout(30)  # a FIFO opened without O_NONBLOCK would block the build forever
+def test_a_fifo_on_the_volume_is_source_unreachable_without_blocking(tmp_path, model):
+    os.mkfifo(tmp_path / "models" / "pipe.onnx")
+    proc, result = kiln_build(tmp_path, request("pvc://models/pipe.onnx"))
+    assert proc.returncode == 3, proc.stderr
+    assert result["reason"] == "SourceUnreachable"
+    assert result["message"] == (f"pvc://models/pipe.onnx: {tmp_path / 'models' / 'pipe.onnx'} is a FIFO "
+                                 f"(named pipe), not a regular file; the model must be an ONNX file")
 
 
 def closed_port():

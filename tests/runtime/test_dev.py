@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -130,9 +132,88 @@ def test_kiln_dev_prints_every_validation_error(tmp_path):
                           text=True, timeout=30)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert lines[0] == f"{path}: the InferenceModel is invalid (2 errors):"
+    assert lines[0] == f"{path}: the InferenceModel is invalid (3 errors):"
     assert any("spec.engine.precision" in line and "fp7" in line for line in lines[1:])
     assert any("spec.model.version" in line for line in lines[1:])
+    # An unsupported value stops the CEL rules, and the API server says so last.
+    assert lines[-1] == "  - <nil>: Invalid value: null: some validation rules were not checked because " \
+                        "the object was invalid; correct the existing errors to complete validation"
+
+
+LAUGHS = "".join(f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 9)}]\n" for i in range(1, 10))
+
+
+def bad_manifest(tmp: Path, case: str) -> tuple[Path, str]:
+    """A manifest `kiln dev` must refuse before building, and the first line it must print."""
+    path = manifest(tmp)
+    text = path.read_text()
+    doc = yaml.safe_load(text)
+    if case == "alias bomb":  # "billion laughs": ~1 KB that expands to 10^9 strings
+        path.write_text(text + "x0: &x0 lol\n" + LAUGHS)
+        return path, (f"kiln dev: {path}, line 1, column 1: the document expands to more than 100000 YAML "
+                      f"nodes (aliases counted at their expansion); refusing it")
+    if case == "duplicate key":
+        path.write_text(text.replace("  name: scorer\n", "  name: scorer\n  name: other\n"))
+        line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t == "  name: other")
+        return path, f'kiln dev: {path}, line {line}, column 3: duplicate key "name" (first at line {line - 1})'
+    if case == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+        return path, f"kiln dev: {path} is a FIFO (named pipe), not a regular file; a manifest is read only from a regular file"
+    if case == "over 1 MiB":
+        path.write_text(text + "#" * (1 << 20) + "\n")
+        return path, f"kiln dev: {path}: larger than 1048576 bytes (1 MiB), the limit for a manifest; refusing it"
+    if case == "wrong apiVersion":
+        doc["apiVersion"] = "kiln.dev/v1"
+        message = 'apiVersion: Unsupported value: "kiln.dev/v1": supported values: "kiln.dev/v1alpha1"'
+    elif case == "uppercase name":
+        doc["metadata"]["name"] = "Scorer"
+        message = 'metadata.name: Invalid value: "Scorer": a lowercase RFC 1123 subdomain must consist of'
+    elif case == "no name":
+        del doc["metadata"]["name"]
+        message = "metadata.name: Required value"
+    else:  # a wrongly typed field: "engine: [1]", "runtime: x", "autoscaling: 3"
+        field, value = {"engine list": ("engine", [1]), "runtime string": ("runtime", "x"),
+                        "autoscaling number": ("autoscaling", 3)}[case]
+        doc["spec"][field] = value
+        jtype = {list: "array", str: "string", int: "integer"}[type(value)]
+        message = f'spec.{field}: Invalid value: "{jtype}": spec.{field} in body must be of type object: "{jtype}"'
+    path.write_text(yaml.safe_dump(doc))
+    return path, f"  - {message}"
+
+
+@pytest.mark.parametrize("case", ["alias bomb", "duplicate key", "fifo", "over 1 MiB", "wrong apiVersion",
+                                  "uppercase name", "no name", "engine list", "runtime string",
+                                  "autoscaling number"])
+def test_kiln_dev_refuses_a_bad_manifest_with_exit_2_before_building(tmp_path, case):
+    path, first = bad_manifest(tmp_path, case)
+    started = time.monotonic()
+    proc = subprocess.run([str(KILN), "dev", str(path), "--cache-dir", str(tmp_path / "cache")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    if first.startswith("kiln dev: "):  # the file is refused: one line
+        assert lines == [first]
+    else:  # the InferenceModel is invalid: the list of what the API server would say
+        assert lines[0].startswith(f"{path}: the InferenceModel is invalid (")
+        assert any(line.startswith(first) for line in lines[1:]), lines
+    assert not (tmp_path / "cache").exists()  # nothing was built
+    if case == "alias bomb":
+        assert time.monotonic() - started < 10  # refused at once, not after expanding it
+
+
+@pytest.mark.timeout(30)  # a FIFO opened without O_NONBLOCK would block `kiln dev` forever
+def test_kiln_dev_refuses_a_fifo_as_the_model(tmp_path):
+    path = manifest(tmp_path)
+    (tmp_path / "models" / "scorer.onnx").unlink()
+    os.mkfifo(tmp_path / "models" / "scorer.onnx")
+    proc = subprocess.run([str(KILN), "dev", str(path), "--cache-dir", str(tmp_path / "cache")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    fifo = (tmp_path / "models" / "scorer.onnx").resolve()
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == (f"kiln dev: build failed (SourceUnreachable): {fifo.as_uri()}: {fifo} is a FIFO "
+                           f"(named pipe), not a regular file; the model must be an ONNX file\n")
 
 
 def test_kiln_dev_explains_tensorrt_without_gpu(tmp_path):

@@ -1,9 +1,12 @@
-"""Fetching the ONNX model: local paths, pvc://, http(s) from a real local server, s3 without boto3."""
+"""Fetching the ONNX model: pvc://, local paths (kiln dev only), http(s) from a real local
+server, s3 without boto3; only regular files are read, and nothing blocks on a FIFO."""
 
 import hashlib
 import http.server
+import os
 import socket
 import threading
+import urllib.parse
 
 import pytest
 
@@ -81,7 +84,8 @@ def test_local_file_pvc_and_plain_path(tmp_path):
     (claim / "model.onnx").write_bytes(PAYLOAD)
     path = claim / "model.onnx"
     for uri in ("pvc://models/resnet/model.onnx", f"file://{path}", str(path)):
-        got = fetch.fetch_model(uri, tmp_path, sha256=DIGEST, pvc_root=tmp_path / "pvcs")
+        got = fetch.fetch_model(uri, tmp_path, sha256=DIGEST, pvc_root=tmp_path / "pvcs",
+                                allow_local_files=True)
         assert got.path == path and got.sha256 == DIGEST
     with pytest.raises(errors.SourceUnreachable, match="no such file"):
         fetch.fetch_model("pvc://models/absent.onnx", tmp_path, pvc_root=tmp_path / "pvcs")
@@ -89,11 +93,79 @@ def test_local_file_pvc_and_plain_path(tmp_path):
         fetch.fetch_model("pvc://models/../../etc/passwd", tmp_path, pvc_root=tmp_path / "pvcs")
 
 
+@pytest.mark.parametrize("form", ["file:///abs", "file://localhost/abs", "plain absolute", "plain relative"])
+def test_local_files_are_read_only_when_allowed(tmp_path, monkeypatch, form):
+    # `kiln build` (a build Job) must not read its node's disk; only `kiln dev` allows it.
+    (tmp_path / "m.onnx").write_bytes(PAYLOAD)
+    monkeypatch.chdir(tmp_path)
+    uri = {"file:///abs": (tmp_path / "m.onnx").as_uri(),
+           "file://localhost/abs": f"file://localhost{tmp_path}/m.onnx",
+           "plain absolute": str(tmp_path / "m.onnx"), "plain relative": "m.onnx"}[form]
+    with pytest.raises(errors.BadRequest) as e:
+        fetch.fetch_model(uri, tmp_path)
+    assert str(e.value) == (f"{uri}: file:// URIs and plain paths are read only by `kiln dev`; a build "
+                            f"Job reads pvc://<claim>/<path>, https://, http:// or s3://")
+    assert e.value.exit_code == 2
+    assert fetch.fetch_model(uri, tmp_path, allow_local_files=True).sha256 == DIGEST
+
+
+@pytest.fixture
+def specials(tmp_path):
+    """A claim holding a FIFO (with no writer) and a directory where a model should be."""
+    claim = tmp_path / "pvcs" / "models"
+    claim.mkdir(parents=True)
+    os.mkfifo(claim / "fifo.onnx")
+    (claim / "dir.onnx").mkdir()
+    return claim
+
+
+@pytest.mark.timeout(10)  # a FIFO read without O_NONBLOCK would wait for a writer forever
+@pytest.mark.parametrize("uri, kind", [
+    ("pvc://models/fifo.onnx", "a FIFO (named pipe)"),
+    ("pvc://models/dir.onnx", "a directory"),
+    ("pvc://models", None),  # the claim's root itself: a pvc URI names a file in it
+    ("file://{claim}/fifo.onnx", "a FIFO (named pipe)"),
+    ("file://{claim}/dir.onnx", "a directory"),
+    ("file:///dev/zero", "a character device"),
+    ("/dev/null", "a character device"),
+])
+def test_only_regular_files_are_read_and_nothing_blocks(tmp_path, specials, uri, kind):
+    uri = uri.format(claim=specials)
+    with pytest.raises(errors.BuildError) as e:
+        fetch.fetch_model(uri, tmp_path, pvc_root=tmp_path / "pvcs", allow_local_files=True)
+    if kind is None:
+        assert isinstance(e.value, errors.BadRequest) and "pvc://<claim>/<path" in str(e.value)
+        return
+    path = urllib.parse.urlsplit(uri).path if "://" in uri else uri
+    if uri.startswith("pvc://"):
+        path = str(specials / uri.rsplit("/", 1)[1])
+    assert isinstance(e.value, errors.SourceUnreachable) and e.value.exit_code == 3
+    assert str(e.value) == f"{uri}: {path} is {kind}, not a regular file; the model must be an ONNX file"
+
+
+def test_pvc_symlinks_may_not_leave_the_volume(tmp_path):
+    claim = tmp_path / "pvcs" / "models"
+    (claim / "sub").mkdir(parents=True)
+    (tmp_path / "secret.onnx").write_bytes(PAYLOAD)
+    (claim / "sub" / "real.onnx").write_bytes(PAYLOAD)
+    (claim / "out.onnx").symlink_to(tmp_path / "secret.onnx")  # a file outside
+    (claim / "outdir").symlink_to(tmp_path)  # a directory outside
+    (claim / "etc").symlink_to("/etc")
+    (claim / "in.onnx").symlink_to("sub/real.onnx")  # inside: fine
+    for uri in ("pvc://models/out.onnx", "pvc://models/outdir/secret.onnx", "pvc://models/etc/passwd",
+                "pvc://models/sub/../../../secret.onnx", "pvc://models/%2e%2e/secret.onnx"):
+        with pytest.raises(errors.BadRequest) as e:
+            fetch.fetch_model(uri, tmp_path, pvc_root=tmp_path / "pvcs")
+        assert str(e.value) == f"{uri}: the path leaves the volume 'models'"
+    got = fetch.fetch_model("pvc://models/in.onnx", tmp_path, pvc_root=tmp_path / "pvcs")
+    assert got.sha256 == DIGEST and got.path == claim / "sub" / "real.onnx"
+
+
 def test_bad_uris_and_pins(tmp_path):
     with pytest.raises(errors.BadRequest, match="unsupported scheme 'ftp'"):
         fetch.fetch_model("ftp://host/m.onnx", tmp_path)
     with pytest.raises(errors.BadRequest, match="64 hex"):
-        fetch.fetch_model("/x", tmp_path, sha256="abc")
+        fetch.fetch_model("pvc://models/x.onnx", tmp_path, sha256="abc")
 
 
 def test_s3_without_boto3_names_the_extra(tmp_path):

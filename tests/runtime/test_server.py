@@ -99,7 +99,7 @@ class Built:
             "model": {"uri": (root / "multi.onnx").as_uri(), "version": "1"},
             "engine": {"backend": "onnxruntime", "precision": "fp32", "profiles": PROFILES},
             "target": "cpu"})
-        self.result = build_engine(request, self.cache)
+        self.result = build_engine(request, self.cache, allow_local_files=True)
         self.rel = self.result.path
         self.session = ort.InferenceSession(self.onnx, providers=["CPUExecutionProvider"])
 
