@@ -171,6 +171,9 @@ class _Server(web.Server):
         """Make room for `new` (already counted) or refuse it."""
         if len(self._connections) <= self.cap:
             return True
+        # aiohttp keeps a closed connection listed until its handler task ends: not counted.
+        if sum(1 for c in self._connections if not c._force_close) <= self.cap:
+            return True
         for conn in self._connections:  # oldest first (dicts keep insertion order)
             if conn is not new and isinstance(conn, _Connection) and conn.idle:
                 conn.force_close()
