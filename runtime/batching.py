@@ -39,6 +39,9 @@ class BatchingConfig:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay: float = 0.001
     max_queue_size: int = 1024
+    # A request that finds the queue full waits this long for a place, holding only its
+    # headers, before it is refused: clients that retry at once then wait instead of spinning.
+    max_admission_wait: float = 0.1
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -50,6 +53,9 @@ class BatchingConfig:
                 or self.max_queue_delay < 0:
             raise ValueError(f"batching.maxQueueDelayMicroseconds must be >= 0, got {self.max_queue_delay!r}")
         _int(self.max_queue_size, "batching.maxQueueSize", 1)
+        if not isinstance(self.max_admission_wait, (int, float)) or isinstance(self.max_admission_wait, bool) \
+                or self.max_admission_wait < 0:
+            raise ValueError(f"batching.maxAdmissionWaitMilliseconds must be >= 0, got {self.max_admission_wait!r}")
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> "BatchingConfig":
@@ -58,7 +64,8 @@ class BatchingConfig:
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime.batching must be a map, got {type(spec).__name__}")
         unknown = set(spec) - {"enabled", "maxBatchSize", "preferredBatchSizes",
-                               "maxQueueDelayMicroseconds", "maxQueueSize"}
+                               "maxQueueDelayMicroseconds", "maxQueueSize",
+                               "maxAdmissionWaitMilliseconds"}
         if unknown:
             raise ValueError(f"runtime.batching has unknown keys {sorted(unknown)}")
         preferred = spec.get("preferredBatchSizes") or []
@@ -66,12 +73,15 @@ class BatchingConfig:
             raise ValueError(f"batching.preferredBatchSizes must be a list, got {preferred!r}")
         delay_us = spec.get("maxQueueDelayMicroseconds", 1000)
         _int(delay_us, "batching.maxQueueDelayMicroseconds", 0)
+        wait_ms = spec.get("maxAdmissionWaitMilliseconds", 100)
+        _int(wait_ms, "batching.maxAdmissionWaitMilliseconds", 0)
         return cls(
             enabled=spec.get("enabled", True),
             max_batch_size=spec.get("maxBatchSize", 32),
             preferred_batch_sizes=tuple(sorted(set(preferred))),
             max_queue_delay=delay_us / 1e6,
             max_queue_size=spec.get("maxQueueSize", 1024),
+            max_admission_wait=wait_ms / 1e3,
         )
 
 

@@ -78,6 +78,11 @@ def _engine_batching(engine: LoadedEngine) -> tuple[bool, int | None]:
     return batchable, (min(limits) if limits else None)
 
 
+def _expire(place: asyncio.Future) -> None:
+    if not place.done():
+        place.set_result(False)
+
+
 class Scheduler:
     """Dynamic batching over a pool of execution contexts of one loaded engine.
 
@@ -122,6 +127,8 @@ class Scheduler:
 
         # Compatible requests share a group; groups keep arrival order for fairness.
         self._groups: OrderedDict[Hashable, deque[_Request]] = OrderedDict()
+        # Requests waiting for a place in a full queue (wait_for_room), oldest first.
+        self._room: deque[asyncio.Future] = deque()
         self._queued = 0
         self._queued_rows = 0
         self._wake = asyncio.Event()
@@ -225,9 +232,47 @@ class Scheduler:
 
     @property
     def full(self) -> bool:
-        """A request now would be refused Overloaded (a result-cache hit aside): the server
-        answers 429 before reading the body, so refusing costs far less than serving."""
+        """A request now would be refused Overloaded (a result-cache hit aside)."""
         return self._queued >= self.batching.max_queue_size
+
+    async def wait_for_room(self) -> None:
+        """Return once the queue has a place for one more request, waiting behind earlier
+        waiters for up to `maxAdmissionWaitMilliseconds`; else raise Overloaded.
+
+        The server calls it before reading a request's body: a waiting request holds only its
+        headers and costs nothing, so clients that retry a 429 at once wait here instead of
+        spending the server's time on refusals (goodput holds under overload).
+        """
+        if not self.full and not self._room:
+            return
+        wait = self.batching.max_admission_wait
+        if self._closing or wait <= 0:
+            raise Overloaded(self.retry_after(), "its queue is full")
+        loop = asyncio.get_running_loop()
+        place = loop.create_future()
+        self._room.append(place)
+        # A timer rather than asyncio.wait_for, which costs a task per waiting request.
+        expiry = loop.call_later(wait, _expire, place)
+        try:
+            if not await place:
+                raise Overloaded(self.retry_after(), f"its queue is full and no place freed "
+                                                     f"up within {wait * 1e3:g} ms")
+        finally:
+            expiry.cancel()
+            admitted = place.done() and not place.cancelled() and place.result()
+            if not admitted:  # timed out, or the client went away: leave the line
+                try:
+                    self._room.remove(place)
+                except ValueError:  # _make_room already dropped it
+                    pass
+
+    def _make_room(self, places: int) -> None:
+        """`places` requests left the queue: let as many waiters in, oldest first."""
+        while places > 0 and self._room:
+            place = self._room.popleft()
+            if not place.done():
+                place.set_result(True)
+                places -= 1
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained: batches ahead of a new request times
@@ -267,6 +312,7 @@ class Scheduler:
         req.queued = False
         self._queued -= 1
         self._queued_rows -= req.rows
+        self._make_room(1)
 
     @staticmethod
     def _fail(req: _Request, error: Exception) -> None:
@@ -311,6 +357,7 @@ class Scheduler:
                     self._queued -= 1
                     self._queued_rows -= req.rows
                     self._m_queue_seconds.observe(max(0.0, now - req.enqueued))
+                self._make_room(len(batch))
                 return batch
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=wait)

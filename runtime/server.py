@@ -59,6 +59,8 @@ DEFAULT_BODY_TIMEOUT = 60.0
 # Below it, decoding takes a few milliseconds and stays inline (no inter-process copy).
 _OFFLOAD_JSON_BYTES = 1 << 20
 _OFFLOAD_JSON_ELEMENTS = 64 * 1024
+# Answers larger than this are written in chunks of it (see _stream).
+_WRITE_CHUNK_BYTES = 1 << 20
 # Requests that may wait for the decoding worker; beyond, a big JSON request gets 429
 # before its body is read (each waiting one holds its body in memory).
 _OFFLOAD_WAITING = 4
@@ -345,7 +347,7 @@ class InferenceServer:
             return self._model_unavailable(model)
         try:
             self._check_content_type(request)
-            self._admit(request, model)
+            await self._admit(request, model)
             body = await self._read_body(request, model)
             json_length = protocol.header_length(request.headers.get(HEADER_LENGTH),
                                                  len(body))
@@ -381,9 +383,12 @@ class InferenceServer:
         except ExecutionFailed as e:
             return error_response(500, f"inference failed: {e}")
         if json_length is None:
-            return web.Response(body=payload, content_type="application/json")
-        return web.Response(body=payload, content_type="application/octet-stream",
-                            headers={HEADER_LENGTH: str(json_length)})
+            headers = {"Content-Type": "application/json"}
+        else:
+            headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(json_length)}
+        if len(payload) <= _WRITE_CHUNK_BYTES:
+            return web.Response(body=payload, headers=headers)
+        return await _stream(request, payload, headers)
 
     def _overloaded(self, model: ServedModel, retry_after: float, why: str) -> web.Response:
         return error_response(429, f"model '{model.name}' is overloaded: {why}",
@@ -397,11 +402,9 @@ class InferenceServer:
             raise ProtocolError(415, f"Content-Type {protocol.shown(value)} is not accepted: "
                                      f"send application/json or application/octet-stream")
 
-    def _admit(self, request: web.Request, model: ServedModel) -> None:
-        """Refuse what can be refused from the headers alone, before the body is read."""
-        scheduler = model.scheduler
-        if getattr(scheduler, "full", False) and getattr(scheduler, "cache", None) is None:
-            raise Overloaded(scheduler.retry_after(), "its queue is full")
+    async def _admit(self, request: web.Request, model: ServedModel) -> None:
+        """Refuse what can be refused from the headers alone, before the body is read; wait
+        for a place in a full queue (a result-cache hit would not need one)."""
         length = request.content_length
         limit, why = self._body_limit(model)
         if length is not None and length > limit:
@@ -411,6 +414,9 @@ class InferenceServer:
         if (json_bytes is None or json_bytes > _OFFLOAD_JSON_BYTES) and self._json_worker.full:
             raise Overloaded(1.0, "too many large JSON requests are being decoded; retry, or "
                                   "send the tensors in the binary extension")
+        scheduler = model.scheduler
+        if getattr(scheduler, "cache", None) is None and hasattr(scheduler, "wait_for_room"):
+            await scheduler.wait_for_room()
 
     def _body_limit(self, model: ServedModel) -> tuple[int, str]:
         bound = protocol.request_bytes_bound(model.inputs, model.profiles,
@@ -499,6 +505,20 @@ def _host_names(host: str, port: int) -> frozenset[str] | None:
     names = {host, "localhost", "127.0.0.1", "[::1]"} if host in (
         "127.0.0.1", "localhost", "::1") else {f"[{host}]" if ":" in host else host}
     return frozenset(f"{name}:{port}".lower() for name in names)
+
+
+async def _stream(request: web.Request, payload: bytes, headers: dict[str, str]
+                  ) -> web.StreamResponse:
+    """A large answer in chunks, each awaited: one write of it all would copy the whole
+    payload into the transport's buffer at once, stalling the loop for as long."""
+    response = web.StreamResponse(headers=headers)
+    response.content_length = len(payload)
+    await response.prepare(request)
+    view = memoryview(payload)
+    for start in range(0, len(view), _WRITE_CHUNK_BYTES):
+        await response.write(view[start:start + _WRITE_CHUNK_BYTES])
+    await response.write_eof()
+    return response
 
 
 def _retry_headers() -> dict[str, str]:

@@ -702,7 +702,7 @@ def test_refusals_from_the_headers_come_before_the_body(built):
     """A full queue (429) and a body over the model's bound (413) are answered from the
     headers: the client has sent none of its body when the answer arrives."""
     runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000,
-                            "maxQueueSize": 1}}
+                            "maxQueueSize": 1, "maxAdmissionWaitMilliseconds": 0}}
     srv = ServerThread(built.cache, {"cpu": built.rel}, runtime)
     try:
         assert srv.wait_loaded()
@@ -724,6 +724,32 @@ def test_refusals_from_the_headers_come_before_the_body(built):
         waiting.join(10)
     finally:
         srv.close()
+
+
+def test_a_full_queue_holds_requests_up_to_the_admission_wait(built):
+    """One place in the queue, a batch every 0.4 s: a second request waits for the place
+    instead of being refused; with a shorter admission wait it is refused after it."""
+    for wait_ms, statuses in ((5000, [200, 200]), (100, [200, 429])):
+        runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 400_000,
+                                "maxQueueSize": 1, "maxAdmissionWaitMilliseconds": wait_ms}}
+        srv = ServerThread(built.cache, {"cpu": built.rel}, runtime)
+        try:
+            assert srv.wait_loaded()
+            answers: list = []
+            senders = [threading.Thread(target=lambda: answers.append(
+                srv.infer({"inputs": json_inputs(sample(1))}))) for _ in range(2)]
+            for t in senders:
+                t.start()
+                time.sleep(0.1)
+            for t in senders:
+                t.join(10)
+            assert sorted(a[0] for a in answers) == statuses, answers
+            if 429 in statuses:
+                refused = next(a for a in answers if a[0] == 429)
+                assert refused[2]["error"] == (f"model '{NAME}' is overloaded: its queue is full "
+                                               f"and no place freed up within 100 ms")
+        finally:
+            srv.close()
 
 
 def test_slow_clients_are_timed_out(built):
