@@ -268,7 +268,7 @@ class ServedModel:
                     raise
                 raise ModelLoadError(
                     f"the engine load did not finish within {self.load_timeout:g} s "
-                    f"({self._doing}); the pod's startup probe restarts it") from None
+                    f"({self._doing})") from None
         except asyncio.CancelledError:
             self.state = STOPPED
             raise
