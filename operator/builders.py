@@ -316,6 +316,13 @@ def startup_budget(results: Iterable[Mapping[str, Any]], config: OperatorConfig)
     return max(60, int(math.ceil(3 * max(loads))))
 
 
+def load_timeout(budget: int) -> int:
+    """`kiln serve --load-timeout-seconds` for a startup budget: the load's own deadline
+    fires a little before the probe gives up, so a hung read ends as a not-ready model that
+    says why (in readiness and the log) just before the kubelet restarts the pod."""
+    return max(1, budget - 10)
+
+
 def desired_replicas(spec: Mapping[str, Any]) -> int:
     runtime = spec.get("runtime") or {}
     replicas = int(runtime.get("replicas", 1))
@@ -360,7 +367,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
         "command": ["kiln"],
         "args": ["serve", "--model-name", name, "--model-version", version, "--cache-dir", CACHE_DIR,
                  *engine_args, "--runtime-spec", json.dumps(serve_spec, sort_keys=True, separators=(",", ":")),
-                 "--port", str(port)],
+                 "--load-timeout-seconds", str(load_timeout(budget)), "--port", str(port)],
         "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": ready_path, "port": RUNTIME_PORT_NAME}, "periodSeconds": period,
                          "timeoutSeconds": 2, "failureThreshold": int(math.ceil(budget / period))},

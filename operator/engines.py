@@ -170,6 +170,11 @@ async def _succeeded(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any]
         state = builders.JobState("Failed", "KeyMismatch" if result.get("ok") else "")
         return await _failed(p, engine, job, pods, state)
     await record_result(p, engine, result)
+    quarantined = result.get("quarantined")
+    if isinstance(quarantined, Mapping):
+        p.record("Warning", "EngineQuarantined",
+                 f"engine {engine.key} for {engine.architecture}: the cached entry was corrupt, moved aside "
+                 f"to {quarantined.get('path')} and built again: {quarantined.get('reason')}")
     hit = " (cache hit)" if result.get("cacheHit") else f" in {result.get('buildSeconds', 0):.0f} s"
     p.record("Normal", "BuildSucceeded", f"engine {engine.key} for {engine.architecture} is in the cache{hit}")
     return EngineObservation(engine, "Ready", result)

@@ -7,10 +7,13 @@ Computes the engine key from the model, engine settings, target and the backend 
 this builder really has; refuses to build when the request names a different key; on a
 cache hit reports the existing entry without building; otherwise fetches the ONNX
 model, checks its pinned sha256, builds and publishes atomically; then loads the engine
-once as a runtime pod would (`loadSeconds`). Progress goes to stderr; the result, as
-JSON under 4 KiB, to the termination log, where the operator reads it: {"ok": true,
-"key", "target", "path", "sha256", "sizeBytes", "buildSeconds", "loadSeconds",
-"cacheHit", "backend", "backendVersion"} or {"ok": false, "reason", "message"}.
+once as a runtime pod would (`loadSeconds`). An existing entry that is corrupt (it fails
+the cache's checks or does not load) is moved aside and the engine built again; what a
+killed build of the same key left behind is removed first. Progress goes to stderr; the
+result, as JSON under 4 KiB, to the termination log, where the operator reads it:
+{"ok": true, "key", "target", "path", "sha256", "sizeBytes", "buildSeconds",
+"loadSeconds", "cacheHit", "backend", "backendVersion"[, "quarantined": {"path",
+"reason"}]} or {"ok": false, "reason", "message"}.
 
 Exit codes (reason):
   0  built, or already in the cache
@@ -143,13 +146,19 @@ class BuildResult:
     cache_hit: bool
     seconds: float
     load_seconds: float  # read + verify + deserialize, as a runtime pod will do it
+    # The corrupt entry this build moved aside, {"path": relative to the cache root,
+    # "reason"}: the operator posts it as a Warning Event.
+    quarantined: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
-        return {"ok": True, "key": m.key, "target": m.target, "path": self.path,
-                "sha256": m.sha256, "sizeBytes": m.size_bytes, "buildSeconds": m.build_seconds,
-                "loadSeconds": round(self.load_seconds, 3), "cacheHit": self.cache_hit,
-                "backend": m.backend, "backendVersion": m.backend_version}
+        d = {"ok": True, "key": m.key, "target": m.target, "path": self.path,
+             "sha256": m.sha256, "sizeBytes": m.size_bytes, "buildSeconds": m.build_seconds,
+             "loadSeconds": round(self.load_seconds, 3), "cacheHit": self.cache_hit,
+             "backend": m.backend, "backendVersion": m.backend_version}
+        if self.quarantined:
+            d["quarantined"] = dict(self.quarantined)
+        return d
 
 
 def stderr_log(message: str) -> None:
@@ -222,12 +231,23 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     log(f"engine key {key} ({backend.name} {version}, {request.target}, "
         f"{request.engine['precision']})")
 
-    existing = cache.lookup(cache_dir, request.namespace, request.name, key)
+    entry = cache.entry_dir(cache_dir, request.namespace, request.name, key)
+    quarantined = None
+    try:
+        existing = cache.lookup(cache_dir, request.namespace, request.name, key)
+    except cache.CacheError as e:
+        existing, quarantined = None, _quarantine(cache_dir, request, key, str(e), log)
     if existing is not None:
         log(f"cache hit: {rel} ({existing.size_bytes} bytes, built {existing.built_at})")
-        load_seconds = _load_check(backend, cache.entry_dir(cache_dir, request.namespace,
-                                                            request.name, key), clock, log)
-        return BuildResult(existing, rel, True, clock() - started, load_seconds)
+        try:
+            load_seconds = _load_check(backend, entry, clock, log)
+        except (base.BackendError, cache.CacheError) as e:
+            quarantined = _quarantine(cache_dir, request, key,
+                                      f"the cached engine does not load: {e}", log)
+        else:
+            return BuildResult(existing, rel, True, clock() - started, load_seconds)
+    for debris in cache.remove_dead_temporaries(cache_dir, request.namespace, request.name, key):
+        log(f"removed {debris.name}, left by a build of this key that did not finish")
 
     if backend.name == "tensorrt":
         from kiln.runtime.gpu import detect_target
@@ -261,28 +281,42 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
             raise OutOfDisk(f"no space left on device: {e}") from None
         raise
     log(f"published {rel} ({manifest.size_bytes} bytes, sha256 {manifest.sha256})")
-    load_seconds = _load_check(backend, cache.entry_dir(cache_dir, request.namespace,
-                                                        request.name, key), clock, log)
-    return BuildResult(manifest, rel, False, clock() - started, load_seconds)
+    try:
+        load_seconds = _load_check(backend, entry, clock, log)
+    except (base.BackendError, cache.CacheError) as e:
+        # Left in place: the next build of the key finds it does not load and moves it aside.
+        raise BuildError(f"the engine {backend.name} {version} just built and published as "
+                         f"{rel} does not load back: {e}") from None
+    return BuildResult(manifest, rel, False, clock() - started, load_seconds, quarantined)
+
+
+def _quarantine(cache_dir, request: BuildRequest, key: str, reason: str,
+                log: Log) -> dict[str, str] | None:
+    from kiln.runtime import cache
+
+    aside = cache.quarantine(cache_dir, request.namespace, request.name, key, reason)
+    if aside is None:  # another builder moved it first
+        log(f"the corrupt entry for {key} was already moved aside ({reason}); building it")
+        return None
+    rel = "/".join((request.namespace, request.name, aside.name))
+    log(f"moved the corrupt entry aside to {rel}: {reason}; building it again")
+    return {"path": rel, "reason": reason[:1000]}
 
 
 def _load_check(backend, entry, clock: Callable[[], float], log: Log) -> float:
     """Load the published engine once, as a runtime pod will (read, verify, deserialize,
     one execution context). An engine that does not load fails the build here, not in
-    every pod; the time is what the operator sizes the pods' startup probe from."""
+    every pod; the time is what the operator sizes the pods' startup probe from.
+    Raises cache.CacheError or the backend's BackendError."""
     from kiln.runtime import cache
-    from kiln.runtime.backends import base
 
     started = clock()
+    data, manifest, _ = cache.read_verified(entry)
+    engine = backend.load(data, manifest.profiles())
     try:
-        data, manifest, _ = cache.read_verified(entry)
-        engine = backend.load(data, manifest.profiles())
-        try:
-            engine.create_context().close()
-        finally:
-            engine.close()
-    except (base.BackendError, cache.CacheError) as e:
-        raise BuildError(f"the engine in {entry} was published but does not load: {e}") from None
+        engine.create_context().close()
+    finally:
+        engine.close()
     seconds = clock() - started
     log(f"load check: the engine loads in {seconds:.2f} s")
     return seconds

@@ -2,21 +2,29 @@
 
 Layout: `<root>/<namespace>/<model>/<key>/` holds the engine file (named by the backend's
 `engine_filename`) and `manifest.json`. Builders publish into a temporary sibling
-(`.tmp-*`) and rename it into place, so a reader sees a complete entry or none, and two
-builders of one key end with one valid entry. Runtime pods read the engine in one
-streaming pass that hashes as it reads and refuse it when size or sha256 differ from the
-manifest. Garbage collection keeps what is in use plus a few recent entries for rollback.
+(`.tmp-<key>-*`, locked by its writer for as long as it lives) and rename it into place,
+so a reader sees a complete entry or none, and two builders of one key end with one valid
+entry. Runtime pods read the engine in one streaming pass that hashes as it reads and
+refuse it when size or sha256 differ from the manifest.
+
+An entry is trusted only for what lies inside its own directory: its manifest must name
+its directory's key and a plain engine file name, and both files must be regular files
+opened without following a symbolic link (docs/architecture.md, "The engine cache").
+A corrupt entry is moved aside (`.quarantine-<key>-*`) by the next build of its key.
+Garbage collection keeps what is in use plus a few recent entries for rollback.
 """
 
 from __future__ import annotations
 
 import datetime
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import queue
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -30,6 +38,10 @@ MANIFEST = "manifest.json"
 MANIFEST_SCHEMA = 1
 TMP_PREFIX = ".tmp-"  # a publish in progress (or a crashed one)
 TRASH_PREFIX = ".trash-"  # an entry GC renamed away before deleting it
+QUARANTINE_PREFIX = ".quarantine-"  # a corrupt entry a build moved aside (GC removes it later)
+QUARANTINE_REASON = "quarantine-reason.txt"  # inside it: why, for whoever looks at the volume
+LOCK_FILE = ".lock"  # inside a temporary: flock'd by its writer while it lives
+MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes; more is not one
 CHUNK_BYTES = 8 << 20  # large enough to amortize syscalls, small enough to stay in cache
 STALE_TEMP_SECONDS = 6 * 3600  # a publish never takes this long; older temporaries are debris
 
@@ -141,47 +153,142 @@ def _write_file(path: Path, data: bytes | bytearray | memoryview) -> None:
         os.fsync(f.fileno())
 
 
-def _read_manifest(directory: Path) -> Manifest | None:
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open_dir(directory: Path) -> int | None:
+    """An fd of the entry directory itself (never a symlink's target); None when absent."""
     try:
-        text = (directory / MANIFEST).read_text()
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except NotADirectoryError:
+    except NotADirectoryError:  # a file, or (with O_NOFOLLOW) a symbolic link
+        if directory.is_symlink():
+            raise CacheIntegrityError(
+                f"{directory}: the entry is a symbolic link; publish never makes one, "
+                f"refusing it") from None
         return None
+
+
+def _open_file(dir_fd: int, directory: Path, name: str, what: str) -> int:
+    """An fd of a regular file inside the entry, refusing anything else without blocking.
+
+    O_NOFOLLOW: a symlink is refused even when it points inside the entry (publish never
+    makes one). O_NONBLOCK: a FIFO opens at once instead of waiting for a writer, and fstat
+    on this very fd (no stat-then-open race) refuses it; regular files ignore the flag.
+    Raises FileNotFoundError when there is no such file.
+    """
+    path = directory / name
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CacheIntegrityError(
+                f"{path}: the {what} is a symbolic link; an entry's files must be regular "
+                f"files inside it, refusing it") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CacheIntegrityError(
+                f"{path}: the {what} is {_kind(mode)}, not a regular file; refusing it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _manifest_at(dir_fd: int, directory: Path) -> Manifest | None:
+    path = directory / MANIFEST
+    try:
+        fd = _open_file(dir_fd, directory, MANIFEST, "manifest")
+    except FileNotFoundError:
+        return None
+    with open(fd, "rb") as f:
+        text = f.read(MANIFEST_MAX_BYTES + 1)
+    if len(text) > MANIFEST_MAX_BYTES:
+        raise CacheError(f"{path}: larger than {MANIFEST_MAX_BYTES} bytes, not a manifest")
     try:
         return Manifest.from_json(text)
     except CacheError as e:
-        raise CacheError(f"{directory / MANIFEST}: {e}") from e
+        raise CacheError(f"{path}: {e}") from e
+
+
+def _read_manifest(directory: Path) -> Manifest | None:
+    dir_fd = _open_dir(directory)
+    if dir_fd is None:
+        return None
+    try:
+        return _manifest_at(dir_fd, directory)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int] | None:
+    """(manifest, engine path, engine fd, size) of a complete entry, None when there is none.
+
+    Every check of an entry lives here: the manifest names this directory's key and a
+    plain engine file name, both are regular files inside the directory, and the engine's
+    size is the manifest's. The caller reads (and closes) the fd that was checked.
+    """
+    directory = Path(entry)
+    dir_fd = _open_dir(directory)
+    if dir_fd is None:
+        return None
+    try:
+        manifest = _manifest_at(dir_fd, directory)
+        if manifest is None:
+            return None
+        if manifest.key != directory.name:
+            raise CacheIntegrityError(
+                f"{directory / MANIFEST} names key {manifest.key}, but the entry is "
+                f"{directory.name}; refusing it")
+        name = manifest.engine_file
+        try:
+            plain = _component(name, "engine file name") != MANIFEST
+        except ValueError:  # '..', a path, an absolute path
+            plain = False
+        if not plain:
+            raise CacheIntegrityError(
+                f"{directory / MANIFEST}: engineFile {manifest.engine_file!r} is not a plain "
+                f"file name inside the entry; refusing it")
+        path = directory / name
+        try:
+            fd = _open_file(dir_fd, directory, name, "engine file")
+        except FileNotFoundError:
+            raise CacheIntegrityError(
+                f"{path}: engine file missing from a published entry") from None
+    finally:
+        os.close(dir_fd)
+    size = os.fstat(fd).st_size
+    if size != manifest.size_bytes:
+        os.close(fd)
+        raise CacheIntegrityError(
+            f"{path}: size {size} bytes, manifest expects {manifest.size_bytes} bytes "
+            f"(truncated or replaced); refusing to load it")
+    return manifest, path, fd, size
 
 
 def lookup(root: str | os.PathLike, namespace: str, model: str, key: str) -> Manifest | None:
     """The manifest of a complete entry, or None. Temporaries are never complete entries.
 
     Cheap: checks the engine file's size, not its digest (read_verified does that).
+    Raises CacheError (CacheIntegrityError) for an entry that exists but is not sound.
     """
-    directory = entry_dir(root, namespace, model, key)
-    manifest = _read_manifest(directory)
-    if manifest is None:
+    opened = _open_entry(entry_dir(root, namespace, model, key))
+    if opened is None:
         return None
-    if manifest.key != key:
-        raise CacheIntegrityError(
-            f"{directory / MANIFEST} names key {manifest.key}, but the entry is {key}")
-    _engine_file(directory, manifest)
+    manifest, _, fd, _ = opened
+    os.close(fd)
     return manifest
-
-
-def _engine_file(directory: Path, manifest: "Manifest") -> tuple[Path, int]:
-    """The entry's engine path and size, once its size matches the manifest's."""
-    path = directory / manifest.engine_file
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CacheIntegrityError(f"{path}: engine file missing from a published entry") from None
-    if size != manifest.size_bytes:
-        raise CacheIntegrityError(
-            f"{path}: size {size} bytes, manifest expects {manifest.size_bytes} bytes "
-            f"(truncated or replaced); refusing to load it")
-    return path, size
 
 
 def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
@@ -213,11 +320,15 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
         .isoformat(timespec="seconds").replace("+00:00", "Z"),
     )
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{key}-", dir=final.parent))
+    remove_dead_temporaries(root, namespace, model, key)
+    tmp, lock = _locked_temporary(final.parent, key)
     try:
         _write_file(tmp / engine_file, view)
         _write_file(tmp / MANIFEST, manifest.to_json().encode())
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; runtime pods may run as another user
+        # The lock stays held (on the open fd) until we return; without its file, a
+        # cleanup leaves this temporary alone, and the entry holds just the two files.
+        os.unlink(tmp / LOCK_FILE)
         _fsync_dir(tmp)
         try:
             os.rename(tmp, final)
@@ -234,7 +345,85 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     return manifest
+
+
+def _locked_temporary(parent: Path, key: str) -> tuple[Path, int]:
+    """A new `.tmp-<key>-*` directory and the fd of the lock inside it, held (flock) for as
+    long as the fd is open: the process's death releases it, which is how the next build
+    of the key knows the temporary is debris."""
+    for _ in range(3):
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{key}-", dir=parent))
+        fd = os.open(tmp / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Between creating the file and locking it, another builder's cleanup may have
+        # taken the free lock and removed the directory: then start again.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(tmp / LOCK_FILE)):
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise CacheError(f"{parent}: a new temporary for {key} was removed as soon as it was "
+                     f"made, three times; is another cleanup running?")
+
+
+def remove_dead_temporaries(root: str | os.PathLike, namespace: str, model: str,
+                            key: str) -> list[Path]:
+    """Remove this key's `.tmp-<key>-*` left by writers that died (killed mid-publish).
+
+    A temporary whose lock can be taken without waiting has no live writer. One without a
+    lock file (a publish between creating its directory and its lock, or about to rename)
+    is left alone; collect_garbage removes what is still there hours later. Other keys'
+    temporaries are not touched. Returns the paths removed.
+    """
+    parent = entry_dir(root, namespace, model, key).parent
+    prefix = f"{TMP_PREFIX}{key}-"
+    removed: list[Path] = []
+    try:
+        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        d = parent / name
+        try:
+            fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live writer
+        try:
+            shutil.rmtree(d, ignore_errors=True)  # while holding the lock: see _locked_temporary
+        finally:
+            os.close(fd)
+        removed.append(d)
+    return removed
+
+
+def quarantine(root: str | os.PathLike, namespace: str, model: str, key: str,
+               reason: str, *, clock: Callable[[], float] = time.time) -> Path | None:
+    """Move a corrupt entry aside to `.quarantine-<key>-<UTC time>` in its model directory,
+    with the reason in a file inside it, so the key can be built again. Readers never look
+    there; collect_garbage removes it after the stale age. Returns the new path, or None
+    when the entry was gone already (another builder moved it first)."""
+    final = entry_dir(root, namespace, model, key)
+    stamp = datetime.datetime.fromtimestamp(clock(), datetime.timezone.utc)
+    aside = final.with_name(f"{QUARANTINE_PREFIX}{key}-{stamp:%Y%m%dT%H%M%S.%fZ}")
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:
+        return None
+    if not aside.is_symlink():
+        try:  # also what dates it for collect_garbage (a rename keeps the old mtime)
+            (aside / QUARANTINE_REASON).write_text(reason + "\n")
+        except OSError:
+            pass
+    return aside
 
 
 def _buffer(size: int) -> memoryview:
@@ -259,13 +448,11 @@ def _read_into(f, view: memoryview, on_chunk: Callable[[memoryview], None] | Non
     return done
 
 
-def _open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int]:
-    directory = Path(entry)
-    manifest = _read_manifest(directory)
-    if manifest is None:
-        raise CacheError(f"{directory}: not a published cache entry (no {MANIFEST})")
-    path, size = _engine_file(directory, manifest)
-    return manifest, path, size
+def _open_published(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int]:
+    opened = _open_entry(entry)
+    if opened is None:
+        raise CacheError(f"{entry}: not a published cache entry (no {MANIFEST})")
+    return opened
 
 
 def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
@@ -277,9 +464,13 @@ def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
     SHA-256 the check costs almost nothing. Returns the engine as a memoryview (no extra
     copy of a large file). Raises CacheIntegrityError naming the file and both values.
     """
-    manifest, path, size = _open_entry(entry)
+    manifest, path, fd, size = _open_published(entry)
     started = time.perf_counter()  # allocation included: a load needs the memory either way
-    buf = _buffer(size)
+    try:
+        buf = _buffer(size)
+    except BaseException:
+        os.close(fd)
+        raise
     digest = hashlib.sha256()
     chunks: queue.SimpleQueue = queue.SimpleQueue()
     failure: list[BaseException] = []
@@ -288,9 +479,9 @@ def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
 
     def reader() -> None:
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(fd, "rb", buffering=0) as f:
                 got[0] = _read_into(f, buf, chunks.put, chunk_bytes)
-                # A file that grew after stat() is not the file the manifest describes.
+                # A file that grew after fstat() is not the file the manifest describes.
                 if f.read(1):
                     got[0] = size + 1
         except BaseException as e:  # reported in the caller's thread
@@ -325,10 +516,10 @@ def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
 
 def read_unverified(entry: str | os.PathLike) -> tuple[memoryview, Manifest, float]:
     """Read an entry's engine without hashing it (the benchmark's baseline). Seconds returned."""
-    manifest, path, size = _open_entry(entry)
+    manifest, path, fd, size = _open_published(entry)
     started = time.perf_counter()
-    buf = _buffer(size)
-    with open(path, "rb", buffering=0) as f:
+    with open(fd, "rb", buffering=0) as f:
+        buf = _buffer(size)
         n = _read_into(f, buf, None, max(size, 1))
     if n != size:
         raise CacheIntegrityError(f"{path}: read {n} bytes, manifest expects {size} bytes")
@@ -383,7 +574,7 @@ def collect_garbage(root: str | os.PathLike, in_use: Iterable[str | tuple[str, s
                     shutil.rmtree(d, ignore_errors=True)
                     removed.append(d)
                     continue
-                if d.name.startswith(TMP_PREFIX):
+                if d.name.startswith((TMP_PREFIX, QUARANTINE_PREFIX)):
                     if age > stale_seconds:
                         shutil.rmtree(d, ignore_errors=True)
                         removed.append(d)

@@ -4,6 +4,9 @@
 liveness answers during a long load and readiness stays false until warm-up is done. A
 load failure (no engine for this GPU, an integrity error, a backend error) keeps the model
 not-ready with its message in `error`, logged once; the pod never crash-loops on it.
+The whole load has a deadline (`load_timeout`): a read that blocks on a hung volume ends
+as a failure that says so, and the pod's startup probe restarts it. Blocking steps run on
+daemon threads, so a read that never returns cannot keep a stopping process alive.
 
 Stages, each recorded in `kiln_engine_load_seconds{stage}`:
     read         the engine file from the cache (the PVC)
@@ -17,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import threading
 import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from kiln.runtime.backends.base import DATATYPES, ShapeRange, TensorSpec
+from kiln.runtime.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 from kiln.runtime.enginekey import CPU_TARGET, normalize_target
 from kiln.runtime.metrics import ServerMetrics
 
@@ -121,20 +127,64 @@ def _detect_target() -> str:
     return detect_target()
 
 
+def _on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run `fn(*args)` on a new daemon thread; its result comes back through a future.
+
+    Not asyncio.to_thread: the default executor's workers are joined when the loop and
+    the interpreter shut down, so one stuck in a read of a hung volume would keep a
+    SIGTERM'd process alive. A daemon thread is abandoned at exit; cancelling the future
+    abandons it sooner (its late result is dropped).
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled: the load gave up on it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 class ServedModel:
     """One model a server answers for; the v2 dataplane talks to it, never to an engine.
 
     `scheduler_factory(engine, runtime_spec, metrics, model, engine_key, clock, version)` builds the
-    object requests go through (the batching Scheduler by default).
+    object requests go through (the batching Scheduler by default). `reader(entry)` reads
+    and verifies an entry (`cache.read_verified` by default). `load_timeout`: seconds the
+    whole load (read, verify, deserialize, warm-up) may take before the model fails.
     """
 
     def __init__(self, name: str, version: str, cache_dir: str | os.PathLike,
                  engines: Mapping[str, str], runtime_spec: Mapping[str, Any],
                  metrics: ServerMetrics, *, target: str | None = None,
                  scheduler_factory: Callable[..., Any] = _default_scheduler,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 load_timeout: float = DEFAULT_LOAD_TIMEOUT_SECONDS,
+                 reader: Callable[[str], Any] | None = None):
         if not name:
             raise ValueError("the model needs a name")
+        if not (isinstance(load_timeout, (int, float)) and math.isfinite(load_timeout)
+                and load_timeout > 0):
+            raise ValueError(f"the load timeout must be a positive number of seconds, "
+                             f"got {load_timeout!r}")
+        self.load_timeout = float(load_timeout)
+        self._reader = reader
+        self._doing = "starting"  # what the load is doing, for the deadline's message
         self.name = name
         self.version = version or "1"
         self.cache_dir = os.fspath(cache_dir)
@@ -210,7 +260,15 @@ class ServedModel:
         """Load and warm up; never raises (the message goes to `error` and the log)."""
         started = self._clock()
         try:
-            await self._load()
+            try:
+                async with asyncio.timeout(self.load_timeout) as deadline:
+                    await self._load()
+            except TimeoutError:
+                if not deadline.expired():  # a TimeoutError of the load's own (ETIMEDOUT)
+                    raise
+                raise ModelLoadError(
+                    f"the engine load did not finish within {self.load_timeout:g} s "
+                    f"({self._doing})") from None
         except asyncio.CancelledError:
             self.state = STOPPED
             raise
@@ -227,25 +285,27 @@ class ServedModel:
         return True
 
     async def _load(self) -> None:
-        from kiln.runtime import cache
         from kiln.runtime.backends import get_backend
 
-        detected = self._target or await asyncio.to_thread(_detect_target)
+        self._doing = "detecting this pod's GPU"
+        detected = self._target or await _on_daemon_thread("kiln-detect", _detect_target)
         self.target, relpath = pick_engine(self.engines, normalize_target(detected))
         entry = os.path.join(self.cache_dir, relpath)
         log.info("model %s: loading engine %s for target %s (this pod: %s)", self.name, entry,
                  self.target, detected)
-        if not os.path.isdir(entry):
-            raise ModelLoadError(f"engine entry {entry} does not exist: is the cache volume "
-                                 f"mounted and the engine built?")
-        engine_bytes, manifest, timings = await asyncio.to_thread(cache.read_verified, entry)
+        self._doing = f"reading {entry}; is the cache volume hung?"
+        # isdir runs on the thread too: a stat on a hung volume blocks as a read does.
+        engine_bytes, manifest, timings = await _on_daemon_thread(
+            "kiln-engine-load", self._read, entry)
         self.manifest = manifest
         self._stage("read", timings.read_seconds)
         self._stage("verify", timings.verify_seconds)
 
         backend = get_backend(manifest.backend)
         t = self._clock()
-        self.engine = await asyncio.to_thread(backend.load, engine_bytes, manifest.profiles())
+        self._doing = f"deserializing the {manifest.backend} engine"
+        self.engine = await _on_daemon_thread("kiln-engine-deserialize", backend.load,
+                                              engine_bytes, manifest.profiles())
         del engine_bytes
         self._stage("deserialize", self._clock() - t)
         self.metrics.model_info.labels(model=self.name, version=self.version,
@@ -255,6 +315,7 @@ class ServedModel:
             self._register_gpu_metrics()
 
         t = self._clock()
+        self._doing = "warming up"
         self.scheduler = self._scheduler_factory(self.engine, self.runtime_spec, self.metrics,
                                                  self.name, manifest.key, self._clock, self.version)
         await self.scheduler.start()
@@ -266,6 +327,14 @@ class ServedModel:
         if missing:
             raise ModelLoadError(f"warm-up returned no {', '.join(missing)}")
         self._stage("warmup", self._clock() - t)
+
+    def _read(self, entry: str):
+        from kiln.runtime import cache
+
+        if not os.path.isdir(entry):
+            raise ModelLoadError(f"engine entry {entry} does not exist: is the cache volume "
+                                 f"mounted and the engine built?")
+        return (self._reader or cache.read_verified)(entry)
 
     def _stage(self, stage: str, seconds: float) -> None:
         self.timings[stage] = seconds

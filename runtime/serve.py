@@ -9,10 +9,12 @@ SIGTERM: readiness false, in-flight requests finish (up to --drain-seconds), exi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from kiln.runtime.contract import API_VERSION, CACHE_DIR as DEFAULT_CACHE_DIR, KIND, SERVICE_PORT as DEFAULT_PORT
+from kiln.runtime.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 DEFAULT_DRAIN_SECONDS = 30.0
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as server.DEFAULT_MAX_BODY_BYTES
 
@@ -50,6 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "to fit the open-file limit)")
     parser.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
                         help="how long SIGTERM waits for in-flight requests "
+                             "(default %(default)s)")
+    parser.add_argument("--load-timeout-seconds", type=float,
+                        default=DEFAULT_LOAD_TIMEOUT_SECONDS,
+                        help="how long the engine load (read, verify, deserialize, warm-up) "
+                             "may take before the model fails, not ready, with the reason "
                              "(default %(default)s)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -107,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
         limits = ConnectionLimits(max_connections=args.max_connections,
                                   header_timeout=args.header_timeout_seconds,
                                   keepalive_timeout=args.keepalive_timeout_seconds)
+        if not (math.isfinite(args.load_timeout_seconds) and args.load_timeout_seconds > 0):
+            raise ValueError(f"--load-timeout-seconds must be a positive number, "
+                             f"got {args.load_timeout_seconds:g}")
     except ValueError as e:
         print(f"kiln serve: {e}", file=sys.stderr)
         return 2
@@ -114,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         metrics = ServerMetrics()
         model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
-                            runtime, metrics)
+                            runtime, metrics, load_timeout=args.load_timeout_seconds)
         server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
                                  body_timeout=args.body_timeout_seconds, limits=limits)
         await run_until_stopped(server, args.host, args.port, args.drain_seconds)

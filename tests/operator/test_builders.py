@@ -197,6 +197,20 @@ class TestRuntimeDeployment:
         probe = measured["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
         assert probe["periodSeconds"] * probe["failureThreshold"] == 60  # 3 x 12.5 s, at least 60 s
 
+    @pytest.mark.parametrize("load_seconds, budget", [(None, 600), (12.5, 60), (400.0, 1200)])
+    def test_the_load_deadline_fires_before_the_startup_probe_gives_up(self, load_seconds, budget):
+        # A hung engine read ends as a not-ready model that says why, a little before the
+        # kubelet restarts the pod; and a slow engine's load is never cut short by a
+        # fixed default shorter than the probe allows.
+        [e] = b.plan_engines(spec(), CONFIG)
+        result = {"path": "p", **({"loadSeconds": load_seconds} if load_seconds else {})}
+        dep, _ = self.deployment(results={e.index_key: result})
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        probe = c["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] == budget
+        timeout = float(c["args"][c["args"].index("--load-timeout-seconds") + 1])
+        assert timeout == budget - 10
+
     def test_security_and_volumes(self):
         dep, _ = self.deployment()
         pod = dep["spec"]["template"]["spec"]

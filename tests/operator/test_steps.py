@@ -319,6 +319,28 @@ async def test_the_story_from_nothing_to_ready_then_idle():
     assert kube.writes() == before and outcome.writes == 0  # idle: no API call at all
 
 
+async def test_a_build_that_quarantined_a_corrupt_entry_posts_a_warning():
+    kube, world, m = FakeKube(), World(), model()
+    c = ctx(kube)
+    await run(c, m, world)
+    world.sync(kube)
+    [job_key] = [k for k in kube.objects if k[0] == "Job"]
+    engine = engine_of(m)
+    reason = f"/var/cache/kiln/{NS}/{NAME}/{engine.key}/engine.plan: sha256 00 does not match the manifest's ab"
+    result = result_of(engine, quarantined={"path": f"{NS}/{NAME}/.quarantine-{engine.key}-20260102T030405Z",
+                                            "reason": reason})
+    world.jobs[job_key[2]], world.pods[job_key[2]] = finished(kube.objects[job_key], result=result)
+    await run(c, m, world)
+    [warning] = [e for e in kube.events if e[1] == "EngineQuarantined"]
+    assert warning[0] == "Warning" and reason in warning[2]
+    assert f".quarantine-{engine.key}-20260102T030405Z" in warning[2]
+    assert "BuildSucceeded" in [e[1] for e in kube.events]
+    world.sync(kube)
+    m["status"] = status_written(kube)
+    await run(c, m, world)  # told once: the next pass reads the engine index, not the Job
+    assert [e[1] for e in kube.events].count("EngineQuarantined") == 1
+
+
 async def test_invalid_spec_builds_nothing_and_keeps_what_serves():
     kube, world = FakeKube(), World()
     with pytest.raises(kopf.PermanentError):

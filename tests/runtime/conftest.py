@@ -19,8 +19,8 @@ class KilnProcess:
     """A `kiln` subprocess whose output (stdout and the stderr log) is collected as it
     arrives, so a test can wait for a line."""
 
-    def __init__(self, args: list[str], cwd: Path):
-        self.proc = subprocess.Popen([str(KILN), *args], stdout=subprocess.PIPE,
+    def __init__(self, args: list[str], cwd: Path, command: tuple[str, ...] = (str(KILN),)):
+        self.proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, cwd=cwd)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -55,11 +55,12 @@ class KilnProcess:
 
 @pytest.fixture
 def kiln_process():
-    """Start `kiln ARGS...` in a directory; every process started is stopped afterwards."""
+    """Start `kiln ARGS...` (or `COMMAND ARGS...`) in a directory; every process started is
+    stopped afterwards."""
     started: list[KilnProcess] = []
 
-    def start(args: list[str], cwd: Path) -> KilnProcess:
-        started.append(KilnProcess(args, cwd))
+    def start(args: list[str], cwd: Path, command: tuple[str, ...] = (str(KILN),)) -> KilnProcess:
+        started.append(KilnProcess(args, cwd, command))
         return started[-1]
 
     yield start

@@ -14,6 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.runtime import build, cache
+from kiln.runtime.backends import get_backend
 
 KILN = str(Path(sys.executable).parent / "kiln")
 
@@ -186,3 +187,129 @@ def test_out_of_disk_exit_7_and_no_debris(tmp_path, model):
 def test_termination_message_stays_under_4_kib():
     text = build.result_json({"ok": False, "reason": "BuildFailed", "message": "x" * 10000})
     assert len(text.encode()) <= 4096 and json.loads(text)["reason"] == "BuildFailed"
+
+
+# -- the cache heals ---------------------------------------------------------------------
+
+def _corrupt(case, tmp_path, entry):
+    """Damage a published entry in one way; return what the quarantine reason must say."""
+    engine, manifest = entry / "engine.onnx", entry / "manifest.json"
+    if case == "flipped":  # the size still matches: only the load check's digest sees it
+        data = bytearray(engine.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        engine.write_bytes(bytes(data))
+        return "does not match the manifest's"
+    if case == "truncated":
+        engine.write_bytes(engine.read_bytes()[:100])
+        return "size 100 bytes"
+    if case == "manifest":
+        manifest.write_text('{"key": "')
+        return "invalid manifest"
+    if case == "symlink":
+        outside = tmp_path / "outside.onnx"
+        engine.rename(outside)
+        engine.symlink_to(outside)
+        return "the engine file is a symbolic link"
+    if case == "unloadable":  # a sound entry whose bytes the backend cannot load
+        garbage = b"\x08\x01 not an onnx model at all \xff\xff"
+        engine.write_bytes(garbage)
+        doc = json.loads(manifest.read_text())
+        doc.update(sizeBytes=len(garbage), sha256=hashlib.sha256(garbage).hexdigest())
+        manifest.write_text(json.dumps(doc))
+        return "the cached engine does not load: ONNX Runtime cannot load the engine"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["flipped", "truncated", "manifest", "symlink", "unloadable"])
+def test_a_corrupt_entry_is_moved_aside_and_built_again(tmp_path, model, case):
+    req = request("pvc://models/mlp/model.onnx")
+    proc, first = kiln_build(tmp_path, req)
+    assert proc.returncode == 0, proc.stderr
+    model_dir = tmp_path / "cache" / "ml" / "mlp"
+    expected = _corrupt(case, tmp_path, model_dir / first["key"])
+
+    proc, result = kiln_build(tmp_path, req)
+    assert proc.returncode == 0, proc.stderr
+    assert result["ok"] and not result["cacheHit"] and result["key"] == first["key"]
+    aside = result["quarantined"]["path"]
+    assert aside.startswith(f"ml/mlp/.quarantine-{first['key']}-")
+    assert expected in result["quarantined"]["reason"]
+    assert f"moved the corrupt entry aside to {aside}" in proc.stderr and expected in proc.stderr
+    assert expected in (tmp_path / "cache" / aside / "quarantine-reason.txt").read_text()
+    data, manifest, _ = cache.read_verified(model_dir / first["key"])  # rebuilt, sound
+    assert manifest.sha256 == result["sha256"] == first["sha256"]  # the build is deterministic
+
+    proc, again = kiln_build(tmp_path, req)  # healed: an ordinary cache hit
+    assert proc.returncode == 0 and again["cacheHit"] and "quarantined" not in again
+
+
+# A build killed mid-write, for real: this wrapper runs the real `kiln` entry point and
+# SIGKILLs its own process halfway through writing the engine (cache._write_file, the one
+# place publish writes data), as an OOM kill or a node loss would.
+KILLED_WRAPPER = """
+import os, signal, sys
+from kiln.runtime import cache
+def die_halfway(path, data):
+    with open(path, "xb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+cache._write_file = die_halfway
+from kiln.cli import main
+sys.exit(main())
+"""
+
+
+def test_the_next_build_removes_what_a_killed_build_left(tmp_path, model):
+    wrapper = tmp_path / "killed.py"
+    wrapper.write_text(KILLED_WRAPPER)
+    req = request("pvc://models/mlp/model.onnx")
+    proc, _ = kiln_build(tmp_path, req, command=(sys.executable, str(wrapper)))
+    assert proc.returncode == -9, proc.stderr
+    model_dir = tmp_path / "cache" / "ml" / "mlp"
+    [debris] = list(model_dir.iterdir())
+    assert debris.name.startswith(".tmp-") and (debris / "engine.onnx").stat().st_size > 0
+    # Another key's debris is not this build's to remove.
+    other = model_dir / ".tmp-0123456789abcdef0123-x"
+    other.mkdir()
+    (other / ".lock").touch()
+
+    proc, result = kiln_build(tmp_path, req)
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {debris.name}, left by a build of this key that did not finish" in proc.stderr
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted([result["key"], other.name])
+
+
+# Storage that corrupts what a build writes: the engine published is not the engine built.
+CORRUPTING_WRAPPER = """
+import sys
+from kiln.runtime import cache
+write = cache._write_file
+def corrupt(path, data):
+    data = bytearray(data)
+    if path.name == "engine.onnx":
+        data[len(data) // 2] ^= 0xFF
+    write(path, data)
+cache._write_file = corrupt
+from kiln.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_fresh_engine_that_does_not_load_fails_the_build_and_the_next_build_heals(tmp_path, model):
+    wrapper = tmp_path / "corrupt.py"
+    wrapper.write_text(CORRUPTING_WRAPPER)
+    req = request("pvc://models/mlp/model.onnx")
+    proc, result = kiln_build(tmp_path, req, command=(sys.executable, str(wrapper)))
+    assert proc.returncode == 1, proc.stderr
+    assert result["reason"] == "BuildFailed"
+    key = next(p.name for p in (tmp_path / "cache" / "ml" / "mlp").iterdir())
+    version = get_backend("onnxruntime").version()
+    assert result["message"].startswith(
+        f"the engine onnxruntime {version} just built and published as ml/mlp/{key} "
+        f"does not load back: ")
+    assert "does not match the manifest's" in result["message"]
+
+    proc, healed = kiln_build(tmp_path, req)
+    assert proc.returncode == 0, proc.stderr
+    assert not healed["cacheHit"] and healed["quarantined"]["path"].startswith(f"ml/mlp/.quarantine-{key}-")

@@ -1,5 +1,6 @@
 """The engine cache: atomic publish under races and crashes, verified reads, safe GC."""
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -160,3 +161,195 @@ def test_gc_keeps_in_use_and_retention_removes_the_rest(tmp_path):
     assert cache.lookup(tmp_path, NS, MODEL, keys[0]) is not None
     with pytest.raises(ValueError):
         cache.collect_garbage(tmp_path, set(), retention=-1)
+
+
+# -- an entry is trusted only for what lies inside it -----------------------------------
+
+def _rewrite_manifest(entry, **fields):
+    path = entry / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc.update(fields)
+    path.write_text(json.dumps(doc))
+
+
+def _engine_outside(tmp_path, engine):
+    """A copy of the engine outside the cache: size and digest match the manifest, so only
+    confinement keeps it from being served."""
+    outside = tmp_path / "outside.onnx"
+    outside.write_bytes(engine)
+    return outside
+
+
+def _untrusted(case, tmp_path, entry, engine):
+    """Make `entry` untrusted in one way; return what the refusal must say."""
+    if case == "dotdot":
+        _engine_outside(tmp_path, engine)
+        _rewrite_manifest(entry, engineFile="../../../../outside.onnx")
+        return f"{entry / 'manifest.json'}: engineFile '../../../../outside.onnx' is not a plain file name"
+    if case == "absolute":
+        outside = _engine_outside(tmp_path, engine)
+        _rewrite_manifest(entry, engineFile=str(outside))
+        return f"engineFile '{outside}' is not a plain file name inside the entry"
+    if case == "subdirectory":
+        (entry / "sub").mkdir()
+        (entry / "engine.onnx").rename(entry / "sub" / "engine.onnx")
+        _rewrite_manifest(entry, engineFile="sub/engine.onnx")
+        return "engineFile 'sub/engine.onnx' is not a plain file name"
+    if case == "manifest-as-engine":
+        _rewrite_manifest(entry, engineFile="manifest.json")
+        return "engineFile 'manifest.json' is not a plain file name"
+    if case == "symlink-outside":
+        outside = _engine_outside(tmp_path, engine)
+        (entry / "engine.onnx").unlink()
+        (entry / "engine.onnx").symlink_to(outside)
+        return f"{entry / 'engine.onnx'}: the engine file is a symbolic link"
+    if case == "symlink-inside":
+        (entry / "engine.onnx").rename(entry / "real.onnx")
+        (entry / "engine.onnx").symlink_to("real.onnx")
+        return f"{entry / 'engine.onnx'}: the engine file is a symbolic link"
+    if case == "symlink-manifest":
+        real = tmp_path / "manifest-elsewhere.json"
+        (entry / "manifest.json").rename(real)
+        (entry / "manifest.json").symlink_to(real)
+        return f"{entry / 'manifest.json'}: the manifest is a symbolic link"
+    if case == "symlink-entry":
+        elsewhere = tmp_path / "elsewhere" / entry.name
+        elsewhere.parent.mkdir()
+        entry.rename(elsewhere)
+        entry.symlink_to(elsewhere, target_is_directory=True)
+        return f"{entry}: the entry is a symbolic link"
+    if case == "fifo":
+        # An empty engine, so that without the check the size matches and open() waits
+        # for a writer that never comes.
+        (entry / "engine.onnx").unlink()
+        os.mkfifo(entry / "engine.onnx")
+        _rewrite_manifest(entry, sizeBytes=0, sha256=hashlib.sha256(b"").hexdigest())
+        return f"{entry / 'engine.onnx'}: the engine file is a FIFO, not a regular file"
+    if case == "directory":
+        (entry / "engine.onnx").unlink()
+        (entry / "engine.onnx").mkdir()
+        _rewrite_manifest(entry, sizeBytes=(entry / "engine.onnx").stat().st_size)
+        return f"{entry / 'engine.onnx'}: the engine file is a directory, not a regular file"
+    if case == "key-mismatch":
+        other = entry.with_name(inputs("2").key)
+        entry.rename(other)
+        return f"names key {entry.name}, but the entry is {other.name}"
+    raise AssertionError(case)
+
+
+UNTRUSTED = ["dotdot", "absolute", "subdirectory", "manifest-as-engine", "symlink-outside",
+             "symlink-inside", "symlink-manifest", "symlink-entry", "fifo", "directory",
+             "key-mismatch"]
+
+
+@pytest.mark.timeout(20)  # a FIFO that is opened blocks forever: the timeout makes that a failure
+@pytest.mark.parametrize("case", UNTRUSTED)
+def test_every_read_refuses_what_leaves_its_entry_or_is_not_a_regular_file(tmp_path, case):
+    engine = os.urandom(64 << 10)
+    m = publish(tmp_path / "cache", engine)
+    entry = cache.entry_dir(tmp_path / "cache", NS, MODEL, m.key)
+    expected = _untrusted(case, tmp_path, entry, engine)
+    if case == "key-mismatch":
+        entry, key = entry.with_name(inputs("2").key), inputs("2").key
+    else:
+        key = m.key
+    for read in (cache.read_verified, cache.read_unverified):
+        with pytest.raises(cache.CacheIntegrityError) as e:
+            read(entry)
+        assert expected in str(e.value)
+    with pytest.raises(cache.CacheIntegrityError) as e:
+        cache.lookup(tmp_path / "cache", NS, MODEL, key)
+    assert expected in str(e.value)
+
+
+def test_quarantine_moves_an_entry_aside_where_readers_do_not_look_and_gc_removes_it(tmp_path):
+    t0 = 1_800_000_000.0
+    m = publish(tmp_path, clock=lambda: t0)
+    aside = cache.quarantine(tmp_path, NS, MODEL, m.key, "sha256 does not match", clock=lambda: t0)
+    assert aside.name.startswith(f".quarantine-{m.key}-20270115T080000")
+    assert (aside / "quarantine-reason.txt").read_text() == "sha256 does not match\n"
+    assert cache.lookup(tmp_path, NS, MODEL, m.key) is None
+    assert cache.quarantine(tmp_path, NS, MODEL, m.key, "again") is None  # moved already
+    # Dated from the quarantine (not the entry's build), it is neither an entry GC keeps
+    # for rollback nor removed before the stale age.
+    since = (aside / "quarantine-reason.txt").stat().st_mtime
+    assert cache.collect_garbage(tmp_path, set(), retention=5, now=since + 60) == []
+    assert cache.collect_garbage(tmp_path, set(), retention=5,
+                                 now=since + cache.STALE_TEMP_SECONDS + 1) == [aside]
+    assert not aside.exists()
+
+
+# -- what a killed publish leaves behind ------------------------------------------------
+
+def _temporary(root, key, held):
+    """A temporary made the way publish makes it, with part of an engine; its lock stays
+    held (a live writer) or is released as a killed writer's is."""
+    parent = cache.entry_dir(root, NS, MODEL, key).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp, lock = cache._locked_temporary(parent, key)
+    (tmp / "engine.onnx").write_bytes(b"half an engine")
+    if not held:
+        os.close(lock)
+    return tmp, lock
+
+
+def test_the_next_publish_of_a_key_removes_its_dead_temporaries_only(tmp_path):
+    key, other = inputs("1").key, inputs("2").key
+    dead, _ = _temporary(tmp_path, key, held=False)
+    live, lock = _temporary(tmp_path, key, held=True)
+    others, _ = _temporary(tmp_path, other, held=False)
+    unlocked = dead.with_name(f".tmp-{key}-nolock")  # no lock file: not known to be dead
+    unlocked.mkdir()
+    try:
+        m = publish(tmp_path)
+        assert m.key == key
+        model_dir = tmp_path / NS / MODEL
+        assert sorted(p.name for p in model_dir.iterdir()) == sorted(
+            [key, live.name, others.name, unlocked.name])
+        assert sorted(p.name for p in (model_dir / key).iterdir()) == ["engine.onnx", "manifest.json"]
+    finally:
+        os.close(lock)
+    # Its writer gone, the live one is debris too.
+    assert cache.remove_dead_temporaries(tmp_path, NS, MODEL, key) == [live]
+    assert others.exists() and unlocked.exists()
+
+
+def onnx_engine() -> bytes:
+    """A real engine for the onnxruntime backend (its engines are ONNX models): y = x @ w."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "m",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", [None, *UNTRUSTED])
+async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case):
+    from kiln.runtime.metrics import ServerMetrics
+    from kiln.runtime.model import FAILED, READY, ServedModel
+
+    root = tmp_path / "cache"
+    m = publish(root, onnx_engine())
+    entry = cache.entry_dir(root, NS, MODEL, m.key)
+    expected = _untrusted(case, tmp_path, entry, onnx_engine()) if case else None
+    key = inputs("2").key if case == "key-mismatch" else m.key
+    model = ServedModel(MODEL, "1", root, {"cpu": cache.relative_path(NS, MODEL, key)},
+                        {"batching": {"maxBatchSize": 4}}, ServerMetrics(), target="cpu")
+    try:
+        loaded = await model.load()
+        if case is None:  # the sound entry, as published, serves
+            assert loaded and model.state == READY and model.ready
+            return
+        assert not loaded and model.state == FAILED and not model.ready
+        assert expected in model.error and expected in model.status_message()
+        assert model.engine is None
+    finally:
+        await model.close(0)
