@@ -48,7 +48,8 @@ def built(tmp_path_factory) -> tuple[Path, str]:
     onnx.save(model, root / "m.onnx")
     result = build_engine(BuildRequest.from_dict({
         "namespace": "ml", "name": "mlp", "model": {"uri": (root / "m.onnx").as_uri(), "version": "1"},
-        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}), root / "cache")
+        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}), root / "cache",
+        allow_local_files=True)
     return root / "cache", result.path
 
 
