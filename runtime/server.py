@@ -149,6 +149,7 @@ class InferenceServer:
         self.local_only = local_only
         self._allowed_hosts: frozenset[str] | None = None  # set by start() when local_only
         self._json_worker = _JsonWorker()
+        self._body_limits: dict[str, tuple[int, str]] = {}
         self._clock = clock
         self.draining = False
         self._inflight = 0
@@ -348,7 +349,7 @@ class InferenceServer:
         try:
             self._check_content_type(request)
             await self._admit(request, model)
-            body = await self._read_body(request, model)
+            body = await self._read_body(request, *self._body_limit(model))
             json_length = protocol.header_length(request.headers.get(HEADER_LENGTH),
                                                  len(body))
             parse = (body, json_length, model.inputs, model.outputs, model.profiles)
@@ -419,18 +420,26 @@ class InferenceServer:
             await scheduler.wait_for_room()
 
     def _body_limit(self, model: ServedModel) -> tuple[int, str]:
-        bound = protocol.request_bytes_bound(model.inputs, model.profiles,
-                                             getattr(model.scheduler, "max_rows", None))
-        if bound is not None and bound < self.max_body_bytes:
-            return bound, (f"the largest valid request to model '{model.name}' (its inputs at "
-                           f"the largest batch and profile shapes)")
-        return self.max_body_bytes, "the server's limit (--max-body-bytes)"
+        """(bytes, why): computed once per loaded model (it only asks for a serving one)."""
+        limit = self._body_limits.get(model.name)
+        if limit is None:
+            bound = protocol.request_bytes_bound(model.inputs, model.profiles,
+                                                 getattr(model.scheduler, "max_rows", None))
+            if bound is not None and bound < self.max_body_bytes:
+                limit = bound, (f"the largest valid request to model '{model.name}' (its "
+                                f"inputs at the largest batch and profile shapes)")
+            else:
+                limit = self.max_body_bytes, "the server's limit (--max-body-bytes)"
+            self._body_limits[model.name] = limit
+        return limit
 
-    async def _read_body(self, request: web.Request, model: ServedModel) -> bytes:
+    async def _read_body(self, request: web.Request, limit: int, why: str) -> bytes:
+        if request.content.is_eof():  # all of it has arrived (most small bodies): no timer
+            return await self._read(request, limit, why)
         try:
-            return await asyncio.wait_for(self._read(request, *self._body_limit(model)),
-                                          self.body_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.body_timeout):
+                return await self._read(request, limit, why)
+        except TimeoutError:
             raise ProtocolError(408, f"the request body did not arrive within "
                                      f"{self.body_timeout:g} s") from None
 
