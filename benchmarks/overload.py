@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import (DEMO_ONNX, TUNED, Model, Server, _wrk, build, check_answer,
-                                request_body, runtime_spec, serving, wrk_path)
+from benchmarks.serving import (DEMO_ONNX, TUNED, WRK_SCRIPT, Model, Server, _wrk, build,
+                                check_answer, request_body, runtime_spec, serving, wrk_path)
 
 WIDE = 1_000_000  # the wide model's row: 1M floats, about 4 MB of JSON at 3 digits each
 
@@ -50,25 +50,6 @@ MAX_BODY = 128 * 1024 * 1024
 PROBE_EVERY = 0.010
 PROBE_TIMEOUT = 10.0  # seconds (the runtime pods' probes time out after 2 s: operator/builders.py)
 
-# serving.py's wrk script, with wrk's status errors (responses >= 400: here the 429s) on the
-# KILN line and the socket errors written beside the body file.
-WRK_SCRIPT = """\
-local f = assert(io.open(os.getenv("KILN_WRK_BODY"), "rb"))
-wrk.method = "POST"
-wrk.body = f:read("*all")
-f:close()
-wrk.headers["Content-Type"] = os.getenv("KILN_WRK_TYPE")
-local n = os.getenv("KILN_WRK_HEADER_LENGTH")
-if n ~= "" then wrk.headers["Inference-Header-Content-Length"] = n end
-done = function(s, latency, requests)
-  local e = s.errors
-  io.write(string.format("KILN %d %d %d %d %d %d\\n", s.requests, s.duration, e.status,
-    latency:percentile(50), latency:percentile(99), latency.max))
-  local out = assert(io.open(os.getenv("KILN_WRK_BODY") .. ".socket-errors", "w"))
-  out:write(string.format("%d", e.connect + e.read + e.write + e.timeout))
-  out:close()
-end
-"""
 
 
 def overload_runtime(admission_wait_ms: int | None = None) -> dict[str, Any]:
@@ -111,11 +92,9 @@ def closed_loop(srv: Server, model: Model, connections: int, seconds: float,
         body_file.write_bytes(body)
         script.write_text(WRK_SCRIPT)
         _wrk(url, body_file, headers, connections, warmup, script)
-        n, elapsed, refused, _, p99, _ = _wrk(url, body_file, headers, connections, seconds,
-                                              script)
-        socket_errors = int(Path(f"{body_file}.socket-errors").read_text() or 0)
-    return Point(connections, label or f"{connections / QUEUE:g}x the queue", n, refused,
-                 socket_errors, elapsed, p99 / 1e3)
+        run = _wrk(url, body_file, headers, connections, seconds, script)
+    return Point(connections, label or f"{connections / QUEUE:g}x the queue", run.requests,
+                 run.status_errors, run.socket_errors, run.seconds, run.p99_us / 1e3)
 
 
 # -- (b) liveness while big bodies are in flight -------------------------------------------

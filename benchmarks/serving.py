@@ -194,8 +194,8 @@ local n = os.getenv("KILN_WRK_HEADER_LENGTH")
 if n ~= "" then wrk.headers["Inference-Header-Content-Length"] = n end
 done = function(s, latency, requests)
   local e = s.errors
-  io.write(string.format("KILN %d %d %d %d %d %d\\n", s.requests, s.duration,
-    e.status + e.connect + e.read + e.write + e.timeout,
+  io.write(string.format("KILN %d %d %d %d %d %d %d\\n", s.requests, s.duration, e.status,
+    e.connect + e.read + e.write + e.timeout,
     latency:percentile(50), latency:percentile(99), latency.max))
 end
 """
@@ -249,9 +249,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass
+class WrkRun:
+    requests: int  # answers of any status
+    seconds: float
+    status_errors: int  # answers >= 400
+    socket_errors: int  # connect, read, write errors and timeouts
+    p50_us: float
+    p99_us: float
+    client_cpu: float  # wrk's CPU seconds
+
+    @property
+    def errors(self) -> int:
+        return self.status_errors + self.socket_errors
+
+
 def _wrk(url: str, body_file: Path, headers: dict[str, str], concurrency: int, seconds: float,
-         script: Path) -> tuple[int, float, int, float, float, float]:
-    """One wrk run: (requests, seconds, errors, p50 us, p99 us, wrk's CPU seconds)."""
+         script: Path) -> WrkRun:
+    """One wrk run of `script` (WRK_SCRIPT)."""
     env = {**os.environ, "KILN_WRK_BODY": str(body_file), "KILN_WRK_TYPE": headers["Content-Type"],
            "KILN_WRK_HEADER_LENGTH": headers.get(HEADER_LENGTH, "")}
     # One wrk thread is plenty (it is C and event-driven) and leaves the cores to the server.
@@ -263,9 +278,9 @@ def _wrk(url: str, body_file: Path, headers: dict[str, str], concurrency: int, s
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("KILN ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    n, duration_us, errors, p50, p99, _ = (int(x) for x in line.split()[1:])
+    n, duration_us, status, sockets, p50, p99, _ = (int(x) for x in line.split()[1:])
     cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-    return n, duration_us / 1e6, errors, float(p50), float(p99), cpu
+    return WrkRun(n, duration_us / 1e6, status, sockets, float(p50), float(p99), cpu)
 
 
 def load(server: "Server", model: Model, concurrency: int, seconds: float, *, binary: bool = True,
@@ -280,13 +295,12 @@ def load(server: "Server", model: Model, concurrency: int, seconds: float, *, bi
         script.write_text(WRK_SCRIPT)
         _wrk(url, body_file, headers, concurrency, warmup, script)
         before, cpu0 = scrape(server.url, model.name), _cpu_seconds(server.pid)
-        n, elapsed, errors, p50, p99, client_cpu = _wrk(url, body_file, headers, concurrency,
-                                                        seconds, script)
+        run = _wrk(url, body_file, headers, concurrency, seconds, script)
         cpu1, after = _cpu_seconds(server.pid), scrape(server.url, model.name)
     batches = after["count"] - before["count"]
-    return LoadResult(concurrency, n, errors, elapsed, p50, p99, rows,
-                      (after["sum"] - before["sum"]) / batches if batches else None,
-                      cpu1 - cpu0, client_cpu)
+    return LoadResult(concurrency, run.requests, run.errors, run.seconds, run.p50_us, run.p99_us,
+                      rows, (after["sum"] - before["sum"]) / batches if batches else None,
+                      cpu1 - cpu0, run.client_cpu)
 
 
 def check_answer(base: str, model: Model, rows: int = 3) -> None:
