@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import math
 import multiprocessing
@@ -55,7 +54,7 @@ log = logging.getLogger("kiln.runtime.server")
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 60.0
 # JSON above this (request bytes, or response elements) is decoded or encoded in a worker
-# process: json holds the GIL throughout, so a thread would stall the event loop as much.
+# process: the JSON codec holds the GIL throughout, so a thread would stall the loop as much.
 # Below it, decoding takes a few milliseconds and stays inline (no inter-process copy).
 _OFFLOAD_JSON_BYTES = 1 << 20
 _OFFLOAD_JSON_ELEMENTS = 64 * 1024
@@ -81,7 +80,7 @@ def _retry_after(seconds: float) -> str:
 
 def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None
                   ) -> web.Response:
-    return web.Response(body=json.dumps(doc, separators=(",", ":")).encode(), status=status,
+    return web.Response(body=protocol.dumps(doc), status=status,
                         content_type="application/json", headers=headers)
 
 

@@ -146,3 +146,60 @@ def test_request_bytes_bound():
     assert request_bytes_bound(dynamic, {}, 8) is None
     assert request_bytes_bound(dynamic, {"x": ShapeRange((1, 1), (1, 5), (4, 10))}, 8) == \
         64 * 1024 + 8 * 10 * 64
+
+
+# -- the JSON codec (orjson), issue 12 item 1 ----------------------------------------------
+
+def _stdlib_response(request, results) -> bytes:
+    """What Kiln answered before orjson: tolist() and json.dumps."""
+    from kiln.runtime.protocol import json_values
+    doc = {"model_name": "m", "model_version": "1",
+           "outputs": [{"name": o.name, "datatype": "FP32" if results[o.name].dtype == np.float32
+                        else "FP64", "shape": list(results[o.name].shape),
+                        "data": json_values(results[o.name])} for o in request.outputs]}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finite_outputs_mean_what_the_standard_library_wrote(dtype):
+    request = parse(inputs())
+    rng = np.random.default_rng(7)
+    y = np.concatenate([rng.standard_normal(500), rng.uniform(-1, 1, 500) * 1e30,
+                        [0.0, -0.0, 1e-45, np.finfo(dtype).max, np.finfo(dtype).tiny]]
+                       ).astype(dtype).reshape(-1, 5)
+    body, n = encode_infer_response("m", "1", request, {"y": y})
+    assert n is None
+    ours, theirs = json.loads(body), json.loads(_stdlib_response(request, {"y": y}))
+    got, want = ours["outputs"][0].pop("data"), theirs["outputs"][0].pop("data")
+    assert ours == theirs  # the same structure, and names, shapes and datatypes
+    assert all(isinstance(v, float) for v in got) and len(got) == len(want) == y.size
+    np.testing.assert_array_equal(np.array(got, dtype), np.array(want, dtype))  # round-trips
+    np.testing.assert_array_equal(decode_infer_response(body, None)["outputs"][0]["data"], y)
+
+
+def test_non_finite_outputs_still_use_the_proto3_strings():
+    request = parse(inputs())
+    y = np.array([[np.nan, 0.25], [np.inf, -np.inf]], np.float32)
+    body, _ = encode_infer_response("m", "1", request, {"y": y})
+    assert b"null" not in body and b"NaN," not in body.replace(b'"NaN"', b"")
+    assert body == _stdlib_response(request, {"y": y})  # byte for byte what json wrote
+    assert json.loads(body)["outputs"][0]["data"] == ["NaN", 0.25, "Infinity", "-Infinity"]
+
+
+@pytest.mark.parametrize("literal", ["18446744073709551616", "-9223372036854775809",
+                                     "1" + "0" * 30])
+def test_an_integer_literal_beyond_64_bits_in_float_data_is_still_refused(literal):
+    # orjson reads it as a float; the standard library kept the int, which numpy cannot hold.
+    body = json.dumps(inputs()).replace("[0.5, 1.5]", f"[0.5, {literal}]").encode()
+    with pytest.raises(ProtocolError) as e:
+        parse_infer_request(body, None, INPUTS, OUTPUTS)
+    assert e.value.message == "input 'half': 'data' must hold numbers for FP16"
+
+
+def test_what_only_the_standard_library_reads_is_still_read():
+    # 1e400 (infinity) and a lone surrogate escape: orjson refuses both, json read them.
+    body = json.dumps({**inputs(), "id": "\ud800"}).replace("[0.5, 1.5]", "[0.5, 1e400]")
+    request = parse_infer_request(body.encode(), None, INPUTS, OUTPUTS)
+    assert request.inputs["half"][0, 1] == np.inf and request.id == "\ud800"
+    answer, _ = encode_infer_response("m", "1", request, {"y": np.zeros((1, 2), np.float32)})
+    assert json.loads(answer)["id"] == "\ud800"  # written by json, as before
