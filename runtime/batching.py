@@ -37,7 +37,7 @@ class BatchingConfig:
     enabled: bool = True
     max_batch_size: int = 32
     preferred_batch_sizes: tuple[int, ...] = ()
-    max_queue_delay: float = 0.001
+    max_queue_delay: float = 0.0
     max_queue_size: int = 1024
     # A request that finds the queue full waits this long for a place, holding only its
     # headers, before it is refused: clients that retry at once then wait instead of spinning.
@@ -71,7 +71,7 @@ class BatchingConfig:
         preferred = spec.get("preferredBatchSizes") or []
         if not isinstance(preferred, (list, tuple)):
             raise ValueError(f"batching.preferredBatchSizes must be a list, got {preferred!r}")
-        delay_us = spec.get("maxQueueDelayMicroseconds", 1000)
+        delay_us = spec.get("maxQueueDelayMicroseconds", 0)
         _int(delay_us, "batching.maxQueueDelayMicroseconds", 0)
         wait_ms = spec.get("maxAdmissionWaitMilliseconds", 100)
         _int(wait_ms, "batching.maxAdmissionWaitMilliseconds", 0)

@@ -86,7 +86,9 @@ class OnnxRuntimeBackend:
             if raw not in ("0", "1"):
                 raise BackendError(f"{SPINNING_ENV} must be 0 or 1, got {raw!r}")
             allow_spinning = raw == "1"
-        self.allow_spinning = allow_spinning  # None: ONNX Runtime's default (spinning)
+        # Off unless asked for: spinning threads take the core the event loop needs, for
+        # 1-2% of engine speed (docs/batching.md, Tuning).
+        self.allow_spinning = False if allow_spinning is None else allow_spinning
 
     def version(self) -> str:
         import onnxruntime as ort

@@ -108,7 +108,9 @@ def test_spinning_from_the_environment(monkeypatch):
     options = loaded.session.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     monkeypatch.delenv("KILN_ORT_ALLOW_SPINNING")
-    assert OnnxRuntimeBackend().allow_spinning is None  # ONNX Runtime's default
+    assert OnnxRuntimeBackend().allow_spinning is False  # Kiln's default: off
+    monkeypatch.setenv("KILN_ORT_ALLOW_SPINNING", "1")
+    assert OnnxRuntimeBackend().allow_spinning is True
     monkeypatch.setenv("KILN_ORT_ALLOW_SPINNING", "yes")
     with pytest.raises(BackendError, match="KILN_ORT_ALLOW_SPINNING must be 0 or 1"):
         OnnxRuntimeBackend()

@@ -47,9 +47,14 @@ class TestPlan:
 
 class TestConfig:
     def test_defaults_are_the_documented_ones(self):
+        from kiln.runtime import spec
         c = BatchingConfig.from_spec(None)
         assert c == BatchingConfig(enabled=True, max_batch_size=32, preferred_batch_sizes=(),
-                                   max_queue_delay=0.001, max_queue_size=1024)
+                                   max_queue_delay=0.0, max_queue_size=1024,
+                                   max_admission_wait=0.1)
+        # The CRD's defaults, as the API server applies them, are the same settings.
+        crd = spec.apply_defaults({"runtime": {"batching": {}}})["runtime"]["batching"]
+        assert BatchingConfig.from_spec(crd) == c
 
     def test_reads_the_manifest_keys(self):
         c = BatchingConfig.from_spec({"enabled": False, "maxBatchSize": 64,
