@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serve import grpc_port
 
     try:
-        args.grpc_port = grpc_port(args)
+        args.grpc_port = grpc_port(args, DEFAULT_GRPC_PORT)
     except ValueError as e:
         return _fail(str(e), 2)
     path = Path(args.file)

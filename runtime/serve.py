@@ -36,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("KILN_SERVE_HOST") or "0.0.0.0",
                         help="address to listen on (default $KILN_SERVE_HOST, else 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
-    add_grpc_flags(parser, DEFAULT_GRPC_PORT)
+    add_grpc_flags(parser)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get 413 (default %(default)s)")
     parser.add_argument("--body-timeout-seconds", type=float, default=60.0,
@@ -64,23 +64,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
-def add_grpc_flags(parser: argparse.ArgumentParser, default: int) -> None:
-    parser.add_argument("--grpc-port", type=int, default=default,
-                        help="the gRPC endpoint's port (inference.GRPCInferenceService), on the "
-                             "same host; 0 picks a free one (default %(default)s)")
+def add_grpc_flags(parser: argparse.ArgumentParser, default: int = DEFAULT_GRPC_PORT) -> None:
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help=f"the gRPC endpoint's port (inference.GRPCInferenceService), on the "
+                             f"same host; 0 picks a free one (default {default}, or a free one "
+                             f"when --port is 0)")
     parser.add_argument("--no-grpc", dest="grpc", action="store_false",
                         help="serve HTTP only")
 
 
-def grpc_port(args: argparse.Namespace) -> int | None:
-    """--grpc-port checked, or None with --no-grpc. Raises ValueError."""
+def grpc_port(args: argparse.Namespace, default: int = DEFAULT_GRPC_PORT) -> int | None:
+    """--grpc-port checked, or None with --no-grpc. Raises ValueError; ImportError (which
+    names the runtime extra) when grpcio is not installed."""
     if not args.grpc:
         return None
-    if not 0 <= args.grpc_port <= 65535:
-        raise ValueError(f"--grpc-port must be 0..65535, got {args.grpc_port}")
-    if args.grpc_port == args.port != 0:
-        raise ValueError(f"--grpc-port and --port are both {args.port}")
-    return args.grpc_port
+    port = args.grpc_port
+    if port is None:
+        port = 0 if args.port == 0 else default
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--grpc-port must be 0..65535, got {port}")
+    if port == args.port != 0:
+        raise ValueError(f"--grpc-port and --port are both {port}")
+    import kiln.runtime.grpc_server  # noqa: F401  (grpcio, protobuf: fail now, not once serving)
+
+    return port
 
 
 def runtime_spec_with_defaults(text: str, model_name: str) -> dict:

@@ -12,6 +12,10 @@ engine, scheduler, readiness). Liveness never looks at a model; readiness is the
     POST /v2/models/{name}[/versions/{v}]/infer
     GET  /metrics                              Prometheus text
 
+The same over gRPC (`inference.GRPCInferenceService`, `grpc_server`) on its own port when
+`start` is given one: the same models, scheduler, readiness, draining and metrics, through
+`find_model`, `track` and `scheduler_refusal`.
+
 Every failure answers `{"error": "..."}`, aiohttp's own parse errors included
 (`connections`). SIGTERM (see `run_until_stopped`): readiness turns false, new inference
 requests get 503 with Retry-After and `Connection: close`, in-flight requests finish (up to
