@@ -29,9 +29,11 @@ from kiln.runtime.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION
                                    ANN_REQUESTED_BY, API_VERSION, CACHE_DIR, ENGINE_INDEX, GROUP, KIND, LABEL_ENGINE_KEY,
                                    LABEL_KEY, LABEL_MODEL, LABEL_ROLE, LABEL_TARGET, LABEL_TRACK, MANAGED_BY, PVC_ROOT,
                                    SERVICE_PORT, VERSION)
+from kiln.runtime.contract import GRPC_PORT  # noqa: E402
 from kiln.runtime.errors import EXIT_REASONS  # noqa: E402,F401
 
 RUNTIME_PORT_NAME = "http"
+GRPC_PORT_NAME = "grpc"
 GPU = "nvidia.com/gpu"
 NON_ROOT_UID = 65532  # the images' USER (Dockerfile)
 
@@ -345,6 +347,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
     name = meta["name"]
     runtime = spec.get("runtime") or {}
     port = int(runtime.get("port", SERVICE_PORT))
+    grpc_port = runtime_grpc_port(port)
     cache = (spec.get("cache") or {}).get("claimName") or config.cache_claim
     version = str(spec["model"].get("version", ""))
     first = engines[0]
@@ -367,8 +370,10 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
         "command": ["kiln"],
         "args": ["serve", "--model-name", name, "--model-version", version, "--cache-dir", CACHE_DIR,
                  *engine_args, "--runtime-spec", json.dumps(serve_spec, sort_keys=True, separators=(",", ":")),
-                 "--load-timeout-seconds", str(load_timeout(budget)), "--port", str(port)],
-        "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+                 "--load-timeout-seconds", str(load_timeout(budget)), "--port", str(port),
+                 "--grpc-port", str(grpc_port)],
+        "ports": [{"name": RUNTIME_PORT_NAME, "containerPort": port, "protocol": "TCP"},
+                  {"name": GRPC_PORT_NAME, "containerPort": grpc_port, "protocol": "TCP"}],
         "startupProbe": {"httpGet": {"path": ready_path, "port": RUNTIME_PORT_NAME}, "periodSeconds": period,
                          "timeoutSeconds": 2, "failureThreshold": int(math.ceil(budget / period))},
         "readinessProbe": {"httpGet": {"path": ready_path, "port": RUNTIME_PORT_NAME}, "periodSeconds": 5,
@@ -413,6 +418,11 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
     }
 
 
+def runtime_grpc_port(port: int) -> int:
+    """The runtime container's gRPC port: GRPC_PORT, unless spec.runtime.port took it."""
+    return GRPC_PORT if port != GRPC_PORT else GRPC_PORT + 1
+
+
 def gateway_api(spec: Mapping[str, Any]) -> bool:
     """Traffic split by an HTTPRoute's weights (else by replica ratio behind one Service)."""
     return ((spec.get("rollout") or {}).get("traffic") or {}).get("mechanism") == "GatewayAPI"
@@ -433,7 +443,10 @@ def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any], track: st
                      "ownerReferences": [owner_reference(model)]},
         "spec": {"type": "ClusterIP", "selector": selector,
                  "ports": [{"name": RUNTIME_PORT_NAME, "port": SERVICE_PORT, "targetPort": RUNTIME_PORT_NAME,
-                            "protocol": "TCP"}]},
+                            "protocol": "TCP"},
+                           # The v2 gRPC endpoint (inference.GRPCInferenceService), HTTP/2 in clear.
+                           {"name": GRPC_PORT_NAME, "port": GRPC_PORT, "targetPort": GRPC_PORT_NAME,
+                            "protocol": "TCP", "appProtocol": "grpc"}]},
     }
 
 

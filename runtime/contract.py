@@ -46,6 +46,9 @@ CACHE_DIR = "/var/cache/kiln"
 PVC_ROOT = "/mnt/models"
 TERMINATION_LOG = "/dev/termination-log"
 SERVICE_PORT = 8080
+# The runtime's gRPC endpoint (inference.GRPCInferenceService), beside the HTTP one; the
+# Service's port `grpc` is the same number.
+GRPC_PORT = 8081
 # `kiln serve --load-timeout-seconds`: how long an engine load may take before the model
 # fails (not ready, with the reason); the operator sets it from the startup-probe budget.
 LOAD_TIMEOUT_SECONDS = 600.0

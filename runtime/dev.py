@@ -26,6 +26,7 @@ from typing import Any
 
 DEFAULT_CACHE_DIR = ".kiln/cache"
 DEFAULT_PORT = 8080
+DEFAULT_GRPC_PORT = 8081
 _INLINE_ELEMENTS = 64  # larger example requests go to a file instead of the command line
 
 
@@ -34,6 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="port to listen on; 0 picks a free one (default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="(default %(default)s)")
+    from kiln.runtime.serve import add_grpc_flags
+
+    add_grpc_flags(parser, DEFAULT_GRPC_PORT)
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                         help="the local engine cache (default %(default)s)")
     parser.add_argument("--drain-seconds", type=float, default=5.0,
@@ -86,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.verbose:
         logging.getLogger("kiln").setLevel(logging.WARNING)
 
+    from kiln.runtime.serve import grpc_port
+
+    try:
+        args.grpc_port = grpc_port(args, DEFAULT_GRPC_PORT)
+    except ValueError as e:
+        return _fail(str(e), 2)
     path = Path(args.file)
     try:
         obj = spec.load_manifest(path)
@@ -165,10 +175,11 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
                 failed.append(model.status_message())
                 stop.set()
                 return
-            _print(*usage(url, model, cache_dir))
+            _print(*usage(url, model, cache_dir, server.grpc_address))
 
+        # gRPC on the same host (a browser page cannot speak it: local_only is HTTP's).
         await run_until_stopped(server, args.host, args.port, args.drain_seconds,
-                                on_started=announce, stop=stop)
+                                on_started=announce, stop=stop, grpc_port=args.grpc_port)
 
     try:
         run_event_loop(main())
@@ -180,8 +191,9 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
     return 0
 
 
-def usage(url: str, model, cache_dir: Path) -> list[str]:
-    """What to print once the model is ready: the URL and requests to try."""
+def usage(url: str, model, cache_dir: Path, grpc_address: str | None = None) -> list[str]:
+    """What to print once the model is ready: the URL (and gRPC address) and requests to
+    try."""
     base = f"{url}/v2/models/{model.name}"
     doc = example_request(model.inputs, model.profiles)
     elements = sum(len(i["data"]) for i in doc["inputs"])
@@ -202,5 +214,7 @@ def usage(url: str, model, cache_dir: Path) -> list[str]:
         f"  curl -s {base}",
         f"  curl -s -X POST {base}/infer -H 'Content-Type: application/json' -d {data}",
         f"  curl -s {url}/metrics",
+        *([f"gRPC (inference.GRPCInferenceService, as tritonclient.grpc speaks it) at "
+           f"{grpc_address}"] if grpc_address else []),
         "press Ctrl-C to stop",
     ]

@@ -242,25 +242,13 @@ def _parse(doc: Any, binary: memoryview, inputs: Sequence[TensorSpec],
         name = raw.get("name")
         if not isinstance(name, str):
             raise bad_request(f"inputs[{i}] has no 'name'")
-        if name in arrays:
-            raise bad_request(f"input {shown(name)} is given twice")
-        spec = specs.get(name)
-        if spec is None:
-            raise bad_request(f"unknown input {shown(name)}; the model's inputs are: "
-                              f"{', '.join(specs)}")
+        spec = input_spec(name, specs, arrays)
         arrays[name], used = _decode_input(raw, spec, binary[offset:], exact)
         offset += used
     if offset != len(binary):
         raise bad_request(f"the body has {len(binary) - offset} bytes after the JSON header "
                           f"that no input's binary_data_size accounts for")
-    missing = [n for n in specs if n not in arrays]
-    if missing:
-        raise bad_request(f"missing input{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(repr(n) for n in missing)}; the model needs: "
-                          f"{', '.join(specs)}")
-    check_batch(arrays, inputs)
-    if profiles:
-        check_profiles(arrays, profiles)
+    check_inputs(arrays, inputs, profiles)
 
     default_binary = _flag(parameters, "binary_data_output", "the request")
     return InferRequest(inputs=arrays, outputs=_requested_outputs(doc, outputs, default_binary),
@@ -273,10 +261,15 @@ def _parameters(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
         return {}
     if not isinstance(params, dict):
         raise bad_request(f"'parameters' of {where} must be an object")
+    check_parameters(params, where)
+    return params
+
+
+def check_parameters(params: Mapping[str, Any], where: str) -> None:
+    """Refuse the parameters of extensions Kiln does not implement."""
     for name, why in _UNSUPPORTED_PARAMETERS.items():
         if name in params:
             raise bad_request(f"{where}: {why}")
-    return params
 
 
 def _flag(params: Mapping[str, Any], name: str, where: str) -> bool:
@@ -293,15 +286,12 @@ def _requested_outputs(doc: Mapping[str, Any], outputs: Sequence[TensorSpec],
         return [RequestedOutput(s.name, default_binary) for s in outputs]
     if not isinstance(raw, list):
         raise bad_request("'outputs' must be a list of {name, parameters}")
-    known = {s.name for s in outputs}
     chosen: list[RequestedOutput] = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise bad_request(f"outputs[{i}] must be an object with a 'name'")
         name = item["name"]
-        if name not in known:
-            raise bad_request(f"unknown output {shown(name)}; the model's outputs are: "
-                              f"{', '.join(s.name for s in outputs)}")
+        check_output_name(name, outputs)
         params = _parameters(item, f"output {shown(name)}")
         binary = _flag(params, "binary_data", f"output '{name}'") if "binary_data" in params \
             else default_binary
@@ -314,27 +304,14 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
     """One request input -> (array, bytes of the binary section it used)."""
     name = spec.name
     datatype = raw.get("datatype")
-    if not isinstance(datatype, str):
-        raise bad_request(f"input '{name}': 'datatype' must be a string such as "
-                          f"{spec.datatype}, got {shown(datatype)}")
-    if datatype == "BYTES":
-        raise bad_request(f"input '{name}': the BYTES datatype is not supported; "
-                          f"the model expects {spec.datatype}")
-    if datatype not in DATATYPES:
-        raise bad_request(f"input '{name}': unknown datatype {shown(datatype)}; one of "
-                          f"{', '.join(DATATYPES)}")
-    if datatype != spec.datatype:
-        raise bad_request(f"input '{name}' has datatype {datatype} but the model expects "
-                          f"{spec.datatype}")
+    check_datatype(spec, datatype)
     shape = raw.get("shape")
     if not exact and isinstance(shape, list) and any(_big_float(d) for d in shape):
         raise _Reread
     if (not isinstance(shape, list)
             or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
         raise bad_request(f"input '{name}': 'shape' must be a list of integers")
-    if any(d < 1 for d in shape):
-        raise bad_request(f"input '{name}': every dimension of shape {shown(shape)} must be positive")
-    check_shape(name, tuple(shape), spec.shape)
+    check_dimensions(spec, shape)
     dtype = DATATYPES[datatype]
     count = math.prod(shape)
     params = _parameters(raw, f"input '{name}'")
@@ -353,16 +330,87 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
         if size > len(binary):
             raise bad_request(f"input '{name}': binary_data_size is {size} bytes but only "
                               f"{len(binary)} bytes of binary data remain in the body")
-        array = np.frombuffer(binary, dtype=dtype.newbyteorder("<"), count=count)
-        if not array.dtype.isnative:  # a big-endian host: convert (a copy)
-            array = array.astype(dtype)
-        # Otherwise a read-only view of the body: no copy on the request path (batching
-        # copies rows into the batch anyway; a request running alone goes as it is).
-        return array.reshape(shape), size
+        return from_bytes(binary, dtype, shape), size
 
     if "data" not in raw:
         raise bad_request(f"input '{name}' has neither 'data' nor binary_data_size")
     return _json_data(name, raw["data"], shape, datatype, dtype, exact), 0
+
+
+# -- the checks every encoding shares (JSON and binary over HTTP, and gRPC) --------------
+
+def input_spec(name: str, specs: Mapping[str, TensorSpec],
+               seen: Mapping[str, np.ndarray]) -> TensorSpec:
+    """The model's spec of a request's input `name`: known, and not given before."""
+    if name in seen:
+        raise bad_request(f"input {shown(name)} is given twice")
+    spec = specs.get(name)
+    if spec is None:
+        raise bad_request(f"unknown input {shown(name)}; the model's inputs are: "
+                          f"{', '.join(specs)}")
+    return spec
+
+
+def check_datatype(spec: TensorSpec, datatype: Any) -> None:
+    name = spec.name
+    if not isinstance(datatype, str):
+        raise bad_request(f"input '{name}': 'datatype' must be a string such as "
+                          f"{spec.datatype}, got {shown(datatype)}")
+    if datatype == "BYTES":
+        raise bad_request(f"input '{name}': the BYTES datatype is not supported; "
+                          f"the model expects {spec.datatype}")
+    if datatype not in DATATYPES:
+        raise bad_request(f"input '{name}': unknown datatype {shown(datatype)}; one of "
+                          f"{', '.join(DATATYPES)}")
+    if datatype != spec.datatype:
+        raise bad_request(f"input '{name}' has datatype {datatype} but the model expects "
+                          f"{spec.datatype}")
+
+
+def check_dimensions(spec: TensorSpec, shape: Sequence[int]) -> None:
+    """A request's shape (a list of ints): every dimension positive, rank and fixed
+    dimensions the model's."""
+    if any(d < 1 for d in shape):
+        raise bad_request(f"input '{spec.name}': every dimension of shape {shown(list(shape))} "
+                          f"must be positive")
+    check_shape(spec.name, tuple(shape), spec.shape)
+
+
+def from_bytes(buffer: Any, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray:
+    """A tensor's little-endian bytes (exactly its size: the caller checked) -> an array."""
+    array = np.frombuffer(buffer, dtype=dtype.newbyteorder("<"), count=math.prod(shape))
+    if not array.dtype.isnative:  # a big-endian host: convert (a copy)
+        array = array.astype(dtype)
+    # Otherwise a read-only view of the body: no copy on the request path (batching
+    # copies rows into the batch anyway; a request running alone goes as it is).
+    return array.reshape(shape)
+
+
+def check_range(name: str, array: np.ndarray, datatype: str, dtype: np.dtype) -> None:
+    """Integer values that `dtype` (narrower than what carried them) cannot hold: a 400."""
+    if dtype.kind in "iu" and array.size:
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise bad_request(f"input '{name}': a value is out of range for {datatype}")
+
+
+def check_inputs(arrays: Mapping[str, np.ndarray], inputs: Sequence[TensorSpec],
+                 profiles: Mapping[str, ShapeRange] | None) -> None:
+    """The request's decoded inputs together: none missing, one batch size, the profile."""
+    missing = [s.name for s in inputs if s.name not in arrays]
+    if missing:
+        raise bad_request(f"missing input{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(repr(n) for n in missing)}; the model needs: "
+                          f"{', '.join(s.name for s in inputs)}")
+    check_batch(arrays, inputs)
+    if profiles:
+        check_profiles(arrays, profiles)
+
+
+def check_output_name(name: str, outputs: Sequence[TensorSpec]) -> None:
+    if not any(s.name == name for s in outputs):
+        raise bad_request(f"unknown output {shown(name)}; the model's outputs are: "
+                          f"{', '.join(s.name for s in outputs)}")
 
 
 # orjson reads an integer literal beyond 64 bits as the nearest float, which float data
@@ -401,10 +449,7 @@ def _json_data(name: str, data: Any, shape: list[int], datatype: str,
     if source.size != count:
         raise bad_request(f"input '{name}': shape {shown(shape)} needs {count} elements "
                           f"but 'data' has {source.size}")
-    if dtype.kind in "iu" and source.size:
-        info = np.iinfo(dtype)
-        if source.min() < info.min or source.max() > info.max:
-            raise bad_request(f"input '{name}': a value is out of range for {datatype}")
+    check_range(name, source, datatype, dtype)
     return source.astype(dtype).reshape(shape)
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 
 from kiln.runtime.contract import API_VERSION, CACHE_DIR as DEFAULT_CACHE_DIR, KIND, SERVICE_PORT as DEFAULT_PORT
+from kiln.runtime.contract import GRPC_PORT as DEFAULT_GRPC_PORT
 from kiln.runtime.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 DEFAULT_DRAIN_SECONDS = 30.0
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as server.DEFAULT_MAX_BODY_BYTES
@@ -35,6 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("KILN_SERVE_HOST") or "0.0.0.0",
                         help="address to listen on (default $KILN_SERVE_HOST, else 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
+    add_grpc_flags(parser)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies get 413 (default %(default)s)")
     parser.add_argument("--body-timeout-seconds", type=float, default=60.0,
@@ -60,6 +62,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def add_grpc_flags(parser: argparse.ArgumentParser, default: int = DEFAULT_GRPC_PORT) -> None:
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help=f"the gRPC endpoint's port (inference.GRPCInferenceService), on the "
+                             f"same host; 0 picks a free one (default {default}, or a free one "
+                             f"when --port is 0)")
+    parser.add_argument("--no-grpc", dest="grpc", action="store_false",
+                        help="serve HTTP only")
+
+
+def grpc_port(args: argparse.Namespace, default: int = DEFAULT_GRPC_PORT) -> int | None:
+    """--grpc-port checked, or None with --no-grpc. Raises ValueError; ImportError (which
+    names the runtime extra) when grpcio is not installed."""
+    if not args.grpc:
+        return None
+    port = args.grpc_port
+    if port is None:
+        port = 0 if args.port == 0 else default
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--grpc-port must be 0..65535, got {port}")
+    if port == args.port != 0:
+        raise ValueError(f"--grpc-port and --port are both {port}")
+    import kiln.runtime.grpc_server  # noqa: F401  (grpcio, protobuf: fail now, not once serving)
+
+    return port
 
 
 def runtime_spec_with_defaults(text: str, model_name: str) -> dict:
@@ -106,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be 0..65535, got {args.port}")
+        grpc = grpc_port(args)
         for flag in ("body_timeout_seconds", "header_timeout_seconds",
                      "keepalive_timeout_seconds", "max_connections"):
             if not getattr(args, flag) > 0:
@@ -127,12 +156,14 @@ def run(args: argparse.Namespace) -> int:
                             runtime, metrics, load_timeout=args.load_timeout_seconds)
         server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
                                  body_timeout=args.body_timeout_seconds, limits=limits)
-        await run_until_stopped(server, args.host, args.port, args.drain_seconds)
+        await run_until_stopped(server, args.host, args.port, args.drain_seconds,
+                                grpc_port=grpc)
 
     try:
         run_event_loop(main(), event_loop)
     except OSError as e:  # the port is taken, the address is not this host's
-        print(f"kiln serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+        ports = args.port if grpc is None else f"{args.port} (gRPC {grpc})"
+        print(f"kiln serve: cannot listen on {args.host}:{ports}: {e.strerror or e}",
               file=sys.stderr)
         return 1
     return 0

@@ -12,6 +12,10 @@ engine, scheduler, readiness). Liveness never looks at a model; readiness is the
     POST /v2/models/{name}[/versions/{v}]/infer
     GET  /metrics                              Prometheus text
 
+The same over gRPC (`inference.GRPCInferenceService`, `grpc_server`) on its own port when
+`start` is given one: the same models, scheduler, readiness, draining and metrics, through
+`find_model`, `track` and `scheduler_refusal`.
+
 Every failure answers `{"error": "..."}`, aiohttp's own parse errors included
 (`connections`). SIGTERM (see `run_until_stopped`): readiness turns false, new inference
 requests get 503 with Retry-After and `Connection: close`, in-flight requests finish (up to
@@ -35,7 +39,7 @@ import multiprocessing
 import os
 import signal
 import time
-from typing import Any, Callable, Coroutine, Iterable
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -50,6 +54,7 @@ from kiln.runtime.protocol import HEADER_LENGTH, ProtocolError
 from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 
 log = logging.getLogger("kiln.runtime.server")
+T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 60.0
@@ -84,11 +89,30 @@ def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = 
                         content_type="application/json", headers=headers)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None,
-                   **extra: Any) -> web.Response:
+def cut(message: str) -> str:
+    """An error message as answered: what a client sent is never echoed back whole."""
     if len(message) > _MAX_ERROR_CHARS:
         message = message[:_MAX_ERROR_CHARS - 1] + "…"
-    return json_response({"error": message, **extra}, status, headers)
+    return message
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None,
+                   **extra: Any) -> web.Response:
+    return json_response({"error": cut(message), **extra}, status, headers)
+
+
+def scheduler_refusal(model: ServedModel, e: Exception) -> tuple[int, str, float | None]:
+    """A scheduler's refusal -> (HTTP status, message, Retry-After seconds or None), the
+    same over HTTP and gRPC."""
+    if isinstance(e, InvalidBatch):
+        return 400, str(e), None
+    if isinstance(e, ShuttingDown):
+        return 503, str(e), e.retry_after
+    if isinstance(e, Overloaded):
+        return 429, f"model '{model.name}' is overloaded: {e}", e.retry_after
+    if isinstance(e, ExecutionFailed):
+        return 500, f"inference failed: {e}", None
+    raise TypeError(f"not a scheduler refusal: {e!r}")
 
 
 @web.middleware
@@ -117,7 +141,8 @@ async def _errors(request: web.Request, handler):
 
 
 class InferenceServer:
-    """The HTTP server for a set of models (a runtime pod serves one)."""
+    """The HTTP server for a set of models (a runtime pod serves one), and beside it, when
+    started with a `grpc_port`, the gRPC endpoint (`grpc_server`) on the same dataplane."""
 
     def __init__(self, models: Iterable[ServedModel], metrics: ServerMetrics, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -155,8 +180,10 @@ class InferenceServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._runner: web.AppRunner | None = None
+        self._grpc: Any = None  # grpc_server.GrpcEndpoint while started with a grpc_port
         self._load_tasks: list[asyncio.Task] = []
         self.url: str | None = None
+        self.grpc_address: str | None = None  # host:port of the gRPC endpoint, when started
         self.app = self._make_app()
 
     def _make_app(self) -> web.Application:
@@ -182,8 +209,10 @@ class InferenceServer:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    async def start(self, host: str = "0.0.0.0", port: int = 8080) -> str:
-        """Listen, then load every model in the background. Returns the base URL."""
+    async def start(self, host: str = "0.0.0.0", port: int = 8080,
+                    grpc_port: int | None = None) -> str:
+        """Listen (HTTP on `port`, gRPC on `grpc_port` unless None; 0 picks a free one),
+        then load every model in the background. Returns the base URL."""
         # handler_cancellation: a client that disconnects cancels its handler, and the
         # scheduler drops the request from its queue instead of computing it for nobody.
         self._runner = Runner(self.app, self.limits, handler_cancellation=True,
@@ -197,6 +226,18 @@ class InferenceServer:
         if self.local_only:
             self._allowed_hosts = _host_names(host, bound_port)
         log.info("listening on %s:%s", bound_host, bound_port)
+        if grpc_port is not None:
+            from kiln.runtime.grpc_server import GrpcEndpoint  # grpcio only when serving it
+
+            try:
+                self._grpc = GrpcEndpoint(self)
+                bound = await self._grpc.start(host, grpc_port)
+            except BaseException:
+                await self._runner.cleanup()
+                self._runner = None
+                raise
+            self.grpc_address = f"{'[' + shown + ']' if ':' in shown else shown}:{bound}"
+            log.info("gRPC listening on %s:%s", host or "0.0.0.0", bound)
         self._load_tasks = [asyncio.create_task(m.load(), name=f"load {m.name}")
                             for m in self.models.values()]
         return self.url
@@ -229,6 +270,9 @@ class InferenceServer:
         for model in self.models.values():
             await model.close(max(0.0, deadline - self._clock()))
         self._json_worker.close()
+        if self._grpc is not None:
+            await self._grpc.stop()
+            self._grpc = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -268,12 +312,14 @@ class InferenceServer:
                               "extensions": [protocol.BINARY_EXTENSION]})
 
     def _model(self, request: web.Request) -> ServedModel:
-        name = request.match_info["name"]
+        return self.find_model(request.match_info["name"], request.match_info.get("version"))
+
+    def find_model(self, name: str, version: str | None) -> ServedModel:
+        """The model a request names (any version when None), else ProtocolError 404."""
         model = self.models.get(name)
         if model is None:
             raise ProtocolError(404, f"unknown model {protocol.shown(name)}; this server serves: "
                                      f"{', '.join(self.models)}")
-        version = request.match_info.get("version")
         if version is not None and version != model.version:
             raise ProtocolError(404, f"model '{name}' has no version {protocol.shown(version)}; it serves "
                                      f"version '{model.version}'")
@@ -313,6 +359,15 @@ class InferenceServer:
 
     async def infer(self, request: web.Request) -> web.Response:
         model = self._model(request)
+        return await self.track(model, lambda in_scheduler: self._infer(request, model,
+                                                                        in_scheduler),
+                                lambda response: _outcome(response.status))
+
+    async def track(self, model: ServedModel, work: Callable[[list[bool]], Awaitable[T]],
+                    outcome_of: Callable[[T], str]) -> T:
+        """Run one inference request's `work(in_scheduler)`, whatever its protocol: counted
+        in flight (shutdown waits for it), its outcome and latency in the metrics.
+        `work` appends to `in_scheduler` once it hands the request to the scheduler."""
         started = self._clock()
         outcome: str | None = "error"
         in_scheduler: list[bool] = []
@@ -321,9 +376,9 @@ class InferenceServer:
         # kiln_inflight_requests is the scheduler's (queued or executing); this counter
         # only holds shutdown until every accepted request is answered.
         try:
-            response = await self._infer(request, model, in_scheduler)
-            outcome = _outcome(response.status)
-            return response
+            result = await work(in_scheduler)
+            outcome = outcome_of(result)
+            return result
         except asyncio.CancelledError:
             # The client went away. A request cancelled inside the scheduler is counted
             # there (outcome="cancelled"); count the ones cancelled before they reached it.
@@ -374,14 +429,10 @@ class InferenceServer:
             if e.status in (408, 413):  # the rest of the body is not worth reading
                 response.force_close()
             return response
-        except InvalidBatch as e:
-            return error_response(400, str(e))
-        except ShuttingDown as e:
-            return error_response(503, str(e), {"Retry-After": _retry_after(e.retry_after)})
-        except Overloaded as e:
-            return self._overloaded(model, e.retry_after, str(e))
-        except ExecutionFailed as e:
-            return error_response(500, f"inference failed: {e}")
+        except (InvalidBatch, Overloaded, ExecutionFailed) as e:
+            status, message, retry = scheduler_refusal(model, e)
+            return error_response(status, message, None if retry is None
+                                  else {"Retry-After": _retry_after(retry)})
         if json_length is None:
             headers = {"Content-Type": "application/json"}
         else:
@@ -389,10 +440,6 @@ class InferenceServer:
         if len(payload) <= _WRITE_CHUNK_BYTES:
             return web.Response(body=payload, headers=headers)
         return await _stream(request, payload, headers)
-
-    def _overloaded(self, model: ServedModel, retry_after: float, why: str) -> web.Response:
-        return error_response(429, f"model '{model.name}' is overloaded: {why}",
-                              {"Retry-After": _retry_after(retry_after)})
 
     def _check_content_type(self, request: web.Request) -> None:
         if not self.local_only:
@@ -586,8 +633,10 @@ def run_event_loop(main: Coroutine[Any, Any, Any], loop: str | None = None) -> A
 async def run_until_stopped(server: InferenceServer, host: str, port: int,
                             drain_seconds: float,
                             on_started: Callable[[str], Coroutine[Any, Any, None]] | None = None,
-                            stop: asyncio.Event | None = None) -> bool:
-    """Serve until SIGTERM or SIGINT (or `stop` is set), then drain and stop.
+                            stop: asyncio.Event | None = None,
+                            grpc_port: int | None = None) -> bool:
+    """Serve until SIGTERM or SIGINT (or `stop` is set), then drain and stop; gRPC too on
+    `grpc_port` unless it is None.
 
     `on_started(url)` runs as a task once the server listens. Returns what
     `InferenceServer.shutdown` returns.
@@ -604,7 +653,7 @@ async def run_until_stopped(server: InferenceServer, host: str, port: int,
             # run in a thread (tests, benchmarks) is stopped through `stop` instead.
             continue
     try:
-        url = await server.start(host, port)
+        url = await server.start(host, port, grpc_port)
         task = asyncio.create_task(on_started(url)) if on_started else None
         await stop.wait()
         log.info("stop requested")

@@ -163,6 +163,7 @@ EXTRA_CASES = [
     (["dev", "m.yaml"], "celpy", "runtime", 2),
     (["serve", "--model-name", "m", "--engine", "cpu=ml/m/0123", "--port", "0"], "aiohttp", "runtime", 2),
     (["serve", "--model-name", "m", "--engine", "cpu=ml/m/0123", "--port", "0"], "prometheus_client", "runtime", 2),
+    (["serve", "--model-name", "m", "--engine", "cpu=ml/m/0123", "--port", "0"], "grpc", "runtime", 2),
     (["build", "--request", BUILD_REQUEST, "--pvc-root", ".", "--cache-dir", "cache",
       "--termination-log", "term"], "onnxruntime", "runtime", 6),
     (["operator", "--standalone"], "kopf", "operator", 2),

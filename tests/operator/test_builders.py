@@ -177,7 +177,15 @@ class TestRuntimeDeployment:
         assert c["args"][8] == f"sm90=vision/resnet50/{e.key}"
         runtime = {k: v for k, v in spec()["runtime"].items() if k != "replicas"}
         assert json.loads(c["args"][c["args"].index("--runtime-spec") + 1]) == runtime
-        assert c["args"][-2:] == ["--port", "8080"]
+        assert c["args"][-4:] == ["--port", "8080", "--grpc-port", "8081"]
+        assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                              {"name": "grpc", "containerPort": 8081, "protocol": "TCP"}]
+
+    def test_a_runtime_port_on_the_grpc_port_moves_grpc_up_one(self):
+        dep, _ = self.deployment(runtime={"port": 8081})
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["args"][-4:] == ["--port", "8081", "--grpc-port", "8082"]
+        assert [p["containerPort"] for p in c["ports"]] == [8081, 8082]
 
     def test_one_engine_flag_per_architecture(self):
         dep, engines = self.deployment(engine={"targets": ["A100", "H100"]})
@@ -252,7 +260,9 @@ class TestRuntimeService:
         svc = b.runtime_service(MODEL, spec())
         assert svc["metadata"]["name"] == "resnet50"
         assert svc["spec"]["selector"] == {b.LABEL_MODEL: "resnet50"}
-        assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+        assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"},
+                                        {"name": "grpc", "port": 8081, "targetPort": "grpc", "protocol": "TCP",
+                                         "appProtocol": "grpc"}]
 
 
 class TestPatches:

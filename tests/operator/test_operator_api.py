@@ -179,7 +179,9 @@ def test_build_succeeds_then_deployment_service_status_and_events(api, operator,
     assert dep["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == req["key"]
     assert dep["spec"]["replicas"] == 1
     svc = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")
-    assert svc["spec"]["ports"][0] == {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"},
+                                    {"name": "grpc", "port": 8081, "targetPort": "grpc", "protocol": "TCP",
+                                     "appProtocol": "grpc"}]
     index = api.get("ConfigMap", ns, b.ENGINE_INDEX)
     assert json.loads(index["data"][f"{req['key']}.sm90"])["sha256"] == "ab" * 32
 

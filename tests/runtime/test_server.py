@@ -112,7 +112,8 @@ class ServerThread:
     """An InferenceServer on its own event loop in a thread, on a free port."""
 
     def __init__(self, cache: Path, engines: dict[str, str], runtime: dict | None = None,
-                 max_body_bytes: int = MAX_BODY, target: str = "cpu", **server_args):
+                 max_body_bytes: int = MAX_BODY, target: str = "cpu",
+                 grpc_port: int | None = None, **server_args):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -121,7 +122,7 @@ class ServerThread:
                                  target=target)
         self.server = InferenceServer([self.model], self.metrics,
                                       max_body_bytes=max_body_bytes, **server_args)
-        self.url = self.call(self.server.start("127.0.0.1", 0))
+        self.url = self.call(self.server.start("127.0.0.1", 0, grpc_port))
         self.port = urllib.parse.urlsplit(self.url).port
 
     def call(self, coro, timeout: float = 30):

@@ -1,0 +1,290 @@
+"""The Open Inference Protocol (v2) over gRPC: `inference.GRPCInferenceService`, as KServe
+and Triton define it (runtime/grpc_service.proto), on its own port beside the HTTP server.
+
+One process, one event loop, one dataplane: a `grpc.aio` server started and stopped by
+`InferenceServer`, whose models, schedulers (a gRPC and an HTTP request are batched
+together), readiness, draining and metrics (`kiln_requests_total` by outcome, the latency
+histogram) it uses as they are. Only the encoding differs:
+
+- inputs in `raw_input_contents` (what tritonclient sends: one entry per input, in order,
+  its little-endian bytes, the exact size its shape and datatype need), or typed in each
+  input's `contents` (fp32_contents, int64_contents...: the JSON `data` equivalent);
+- outputs always in `raw_output_contents`, one per output in the order of `outputs`.
+
+Every check on shapes, ranks, datatypes, profiles and the batch is `protocol`'s, with the
+same messages as over HTTP. HTTP statuses map to gRPC codes (`CODES`): 400 INVALID_ARGUMENT,
+404 NOT_FOUND, 429 RESOURCE_EXHAUSTED (with a `retry-after` trailer), 503 UNAVAILABLE
+(draining, a model not loaded), 500 INTERNAL. A message over --max-body-bytes is refused
+by gRPC itself (RESOURCE_EXHAUSTED) before it is decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kiln import __version__
+from kiln.runtime import grpc_service_pb2 as pb
+from kiln.runtime import grpc_service_pb2_grpc as pb_grpc
+from kiln.runtime import protocol
+from kiln.runtime.backends.base import DATATYPES, TensorSpec
+from kiln.runtime.model import ServedModel
+from kiln.runtime.protocol import ProtocolError, bad_request, shown
+from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded
+from kiln.runtime.server import NOT_READY_RETRY_AFTER, cut, scheduler_refusal
+
+if TYPE_CHECKING:
+    from kiln.runtime.server import InferenceServer
+
+log = logging.getLogger("kiln.runtime.grpc")
+
+# HTTP status -> gRPC status code, for every refusal the dataplane makes.
+CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+_OUTCOMES = {
+    grpc.StatusCode.OK: "success",
+    grpc.StatusCode.INVALID_ARGUMENT: "bad_request",
+    grpc.StatusCode.NOT_FOUND: "bad_request",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+}
+# The typed field of InferTensorContents that carries each datatype (FP16 has none: its
+# tensors travel in raw_input_contents only, as in Triton).
+CONTENTS_FIELD = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents",
+                  "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents",
+                  "FP64": "fp64_contents"}
+# How long stop() lets calls still open finish, after the server's own drain.
+_STOP_GRACE_SECONDS = 1.0
+
+
+def code_of(status: int) -> grpc.StatusCode:
+    return CODES.get(status, grpc.StatusCode.INTERNAL if status >= 500
+                     else grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class _Refused:
+    """A gRPC error to answer (the servicer aborts with it, after the metrics count it)."""
+
+    __slots__ = ("code", "message", "retry_after")
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
+        self.code = code_of(status)
+        self.message = cut(message)
+        self.retry_after = retry_after
+
+
+async def _abort(context: grpc.aio.ServicerContext, refused: _Refused) -> None:
+    trailers = () if refused.retry_after is None else (
+        ("retry-after", str(max(1, math.ceil(refused.retry_after)))),)
+    await context.abort(refused.code, refused.message, trailing_metadata=trailers)
+
+
+def _outcome(result: Any) -> str:
+    if isinstance(result, _Refused):
+        return _OUTCOMES.get(result.code, "error")
+    return "success"
+
+
+class GrpcEndpoint(pb_grpc.GRPCInferenceServiceServicer):
+    """The servicer, and the `grpc.aio` server it runs on."""
+
+    def __init__(self, server: "InferenceServer"):
+        self.server = server
+        self._grpc: grpc.aio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: a free port); returns the port bound. A port that cannot
+        be bound is an OSError, as for the HTTP server."""
+        limit = self.server.max_body_bytes
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", -1),
+            # Without this, a second server on a taken port shares it silently.
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self, self._grpc)
+        address = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
+        try:
+            bound = self._grpc.add_insecure_port(address)
+        except RuntimeError as e:
+            self._grpc = None
+            raise OSError(f"gRPC cannot bind {address}: {e}") from None
+        if bound == 0:  # older grpcio: 0 instead of an exception
+            self._grpc = None
+            raise OSError(f"gRPC cannot bind {address}")
+        await self._grpc.start()
+        return bound
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(_STOP_GRACE_SECONDS)
+            self._grpc = None
+
+    # -- health and metadata -----------------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        s = self.server
+        return pb.ServerReadyResponse(ready=not s.draining
+                                      and all(m.ready for m in s.models.values()))
+
+    async def ModelReady(self, request, context):
+        model = await self._model(request.name, request.version, context)
+        return pb.ModelReadyResponse(ready=not self.server.draining and model.ready)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="kiln", version=__version__,
+                                         extensions=[protocol.BINARY_EXTENSION])
+
+    async def ModelMetadata(self, request, context):
+        model = await self._model(request.name, request.version, context)
+        if model.engine is None:
+            await _abort(context, _Refused(503, self._unavailable(model)))
+        return pb.ModelMetadataResponse(
+            name=model.name, versions=[model.version], platform=model.platform or "",
+            inputs=[_tensor_metadata(s) for s in model.inputs],
+            outputs=[_tensor_metadata(s) for s in model.outputs])
+
+    async def _model(self, name: str, version: str, context) -> ServedModel:
+        try:
+            return self.server.find_model(name, version or None)
+        except ProtocolError as e:
+            await _abort(context, _Refused(e.status, e.message))
+            raise  # abort raises; never reached
+
+    def _unavailable(self, model: ServedModel) -> str:
+        return "the server is shutting down" if self.server.draining else model.status_message()
+
+    # -- inference ---------------------------------------------------------------------
+
+    async def ModelInfer(self, request, context):
+        model = await self._model(request.model_name, request.model_version, context)
+        result = await self.server.track(
+            model, lambda in_scheduler: self._infer(request, model, in_scheduler), _outcome)
+        if isinstance(result, _Refused):
+            await _abort(context, result)
+        return result
+
+    async def _infer(self, request: pb.ModelInferRequest, model: ServedModel,
+                     in_scheduler: list[bool]) -> pb.ModelInferResponse | _Refused:
+        if self.server.draining:
+            return _Refused(503, "the server is shutting down; retry on another replica",
+                            NOT_READY_RETRY_AFTER)
+        if not model.serving:
+            return _Refused(503, model.status_message(), NOT_READY_RETRY_AFTER)
+        try:
+            scheduler = model.scheduler
+            if getattr(scheduler, "cache", None) is None and hasattr(scheduler, "wait_for_room"):
+                await scheduler.wait_for_room()
+            inputs, outputs = decode_request(request, model.inputs, model.outputs,
+                                             model.profiles)
+            in_scheduler.append(True)
+            results = await model.infer(inputs)
+        except ProtocolError as e:
+            return _Refused(e.status, e.message)
+        except (InvalidBatch, Overloaded, ExecutionFailed) as e:
+            return _Refused(*scheduler_refusal(model, e))
+        missing = [name for name in outputs if name not in results]
+        if missing:
+            return _Refused(500, f"the engine returned no {', '.join(missing)}")
+        return encode_response(model.name, model.version, request.id, outputs, results)
+
+
+def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(name=spec.name, datatype=spec.datatype,
+                                                   shape=list(spec.shape))
+
+
+# -- the encoding: protobuf <-> numpy, the checks protocol's --------------------------------
+
+def decode_request(request: pb.ModelInferRequest, inputs: list[TensorSpec],
+                   outputs: list[TensorSpec], profiles) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A ModelInferRequest -> (input arrays, names of the outputs to answer, in order).
+    Raises ProtocolError (400) with protocol's messages."""
+    protocol.check_parameters(request.parameters, "the request")
+    if not request.inputs:
+        raise bad_request("the request needs a non-empty 'inputs' list")
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise bad_request(f"the request has {len(request.inputs)} inputs but "
+                          f"{len(raw)} raw_input_contents; send every input's bytes there, "
+                          f"in the order of 'inputs', or none")
+    specs = {s.name: s for s in inputs}
+    arrays: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        spec = protocol.input_spec(tensor.name, specs, arrays)
+        protocol.check_parameters(tensor.parameters, f"input '{spec.name}'")
+        protocol.check_datatype(spec, tensor.datatype)
+        shape = list(tensor.shape)
+        protocol.check_dimensions(spec, shape)
+        if raw:
+            if tensor.HasField("contents"):
+                raise bad_request(f"input '{spec.name}' has both 'contents' and "
+                                  f"raw_input_contents")
+            arrays[spec.name] = _from_raw(spec, shape, raw[i], i)
+        else:
+            arrays[spec.name] = _from_contents(spec, shape, tensor)
+    protocol.check_inputs(arrays, inputs, profiles)
+
+    if not request.outputs:
+        return arrays, [s.name for s in outputs]
+    chosen: list[str] = []
+    for item in request.outputs:
+        protocol.check_output_name(item.name, outputs)
+        protocol.check_parameters(item.parameters, f"output {shown(item.name)}")
+        chosen.append(item.name)
+    return arrays, chosen
+
+
+def _from_raw(spec: TensorSpec, shape: list[int], data: bytes, index: int) -> np.ndarray:
+    dtype = DATATYPES[spec.datatype]
+    need = math.prod(shape) * dtype.itemsize
+    if len(data) != need:
+        raise bad_request(f"input '{spec.name}': raw_input_contents[{index}] has {len(data)} "
+                          f"bytes but shape {shown(shape)} of {spec.datatype} needs {need}")
+    return protocol.from_bytes(data, dtype, shape)
+
+
+def _from_contents(spec: TensorSpec, shape: list[int], tensor) -> np.ndarray:
+    name, datatype = spec.name, spec.datatype
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise bad_request(f"input '{name}': {datatype} has no typed 'contents' field; send "
+                          f"it in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise bad_request(f"input '{name}': shape {shown(shape)} needs {count} elements "
+                          f"but 'contents.{field}' has {len(values)}")
+    dtype = DATATYPES[datatype]
+    wide = np.fromiter(values, dtype=np.float32 if datatype == "FP32" else
+                       np.float64 if datatype == "FP64" else np.bool_ if datatype == "BOOL"
+                       else np.uint64 if field.startswith("uint") else np.int64, count=count)
+    protocol.check_range(name, wide, datatype, dtype)
+    return wide.astype(dtype, copy=False).reshape(shape)
+
+
+def encode_response(model_name: str, model_version: str, request_id: str, outputs: list[str],
+                    results: dict[str, np.ndarray]) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=model_name, model_version=model_version,
+                                     id=request_id)
+    for name in outputs:
+        array = np.asarray(results[name])
+        response.outputs.add(name=name, datatype=protocol.datatype_of(array),
+                             shape=list(array.shape))
+        response.raw_output_contents.append(
+            np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+    return response
