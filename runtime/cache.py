@@ -508,17 +508,28 @@ def _buffer(size: int) -> memoryview:
     return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
 
 
-def _read_into(f, view: memoryview, on_chunk: Callable[[memoryview], None] | None,
+def _read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Read into `view` from `offset` of the file: the one place the cache reads engine
+    bytes (positional, so several threads share the one fd that was checked)."""
+    return os.preadv(fd, [view], offset)
+
+
+def _read_into(fd: int, view: memoryview, on_chunk: Callable[[memoryview], None] | None,
                chunk: int) -> int:
     done = 0
     while done < len(view):
-        n = f.readinto(view[done:done + chunk])
+        n = _read_at(fd, view[done:done + chunk], done)
         if not n:
             break
         if on_chunk is not None:
             on_chunk(view[done:done + n])
         done += n
     return done
+
+
+def _grew(fd: int, size: int) -> bool:
+    """Whether the file has bytes past `size`: then it is not the file the manifest describes."""
+    return bool(os.pread(fd, 1, size))
 
 
 def _open_published(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int]:
@@ -556,7 +567,7 @@ def _read_parallel(fd: int, buf: memoryview, piece: int, expected: tuple[str, ..
                 end = min(size, start + piece)
                 done = start
                 while done < end:
-                    n = os.preadv(fd, [buf[done:min(end, done + read_bytes)]], done)
+                    n = _read_at(fd, buf[done:min(end, done + read_bytes)], done)
                     if not n:
                         short[0] += end - done
                         stop.set()
@@ -582,7 +593,7 @@ def _read_parallel(fd: int, buf: memoryview, piece: int, expected: tuple[str, ..
         raise failure[0]
     got = size - short[0]
     # A file that grew after fstat() is not the file the manifest describes.
-    if not short[0] and not mismatches and os.pread(fd, 1, size):
+    if not short[0] and not mismatches and _grew(fd, size):
         got = size + 1
     return got, read_end[0] or time.perf_counter(), mismatches
 
@@ -636,9 +647,9 @@ def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES,
         index, actual = min(mismatches)
         start, end = index * piece, min(size, (index + 1) * piece)
         raise CacheIntegrityError(
-            f"{path}: chunk {index} (bytes {start}-{end - 1}, chunkBytes {piece}) has sha256 "
-            f"{actual}, the manifest's chunkSha256[{index}] is {expected[index]}; the engine "
-            f"is corrupt or was modified, refusing to load it")
+            f"{path}: chunk {index} (bytes {start}-{end - 1}, chunkBytes {piece}): sha256 "
+            f"{actual} does not match the manifest's chunkSha256[{index}] {expected[index]}; "
+            f"the engine is corrupt or was modified, refusing to load it")
     if got != size:
         raise CacheIntegrityError(
             f"{path}: read {got} bytes, manifest expects {manifest.size_bytes} bytes "
@@ -663,11 +674,9 @@ def _read_hashing(fd: int, buf: memoryview, chunk_bytes: int) -> tuple[int, floa
 
     def reader() -> None:
         try:
-            with open(os.dup(fd), "rb", buffering=0) as f:
-                got[0] = _read_into(f, buf, chunks.put, chunk_bytes)
-                # A file that grew after fstat() is not the file the manifest describes.
-                if f.read(1):
-                    got[0] = size + 1
+            got[0] = _read_into(fd, buf, chunks.put, chunk_bytes)
+            if got[0] == size and _grew(fd, size):
+                got[0] = size + 1
         except BaseException as e:  # reported in the caller's thread
             failure.append(e)
         finally:
@@ -697,8 +706,7 @@ def read_unverified(entry: str | os.PathLike, *, threads: int = 1, chunk_bytes: 
             n = _read_parallel(fd, buf, manifest.chunk_bytes or DIGEST_CHUNK_BYTES, None,
                                threads, max(1, chunk_bytes))[0]
         else:
-            with open(os.dup(fd), "rb", buffering=0) as f:
-                n = _read_into(f, buf, None, max(size, 1))
+            n = _read_into(fd, buf, None, max(size, 1))
     finally:
         os.close(fd)
     if n != size:

@@ -207,7 +207,8 @@ def test_a_flipped_byte_in_chunk_k_is_refused_naming_chunk_k(tmp_path, k, thread
     message = str(e.value)
     assert f"{entry / 'engine.onnx'}: chunk {k} (bytes {k * CHUNK}-{end}, chunkBytes {CHUNK})" \
         in message
-    assert actual in message and f"chunkSha256[{k}] is {m.chunk_sha256[k]}" in message
+    assert f"sha256 {actual} does not match the manifest's chunkSha256[{k}] " \
+        f"{m.chunk_sha256[k]}" in message
     # The whole-file check, as the build's load check asks for, refuses it too.
     with pytest.raises(cache.CacheIntegrityError, match=f"chunk {k} "):
         cache.read_verified(entry, whole_digest=True)
