@@ -7,7 +7,7 @@ so a reader sees a complete entry or none, and two builders of one key end with 
 entry. Runtime pods read the engine in one streaming pass that hashes as it reads and
 refuse it when its size or a digest differs from the manifest: the manifest records the
 whole file's sha256 (what `sha256sum` prints) and the sha256 of each `chunkBytes` piece,
-which several threads check as the pieces arrive (see read_verified).
+which several threads read and check at once (see read_verified).
 
 An entry is trusted only for what lies inside its own directory: its manifest must name
 its directory's key and a plain engine file name, and both files must be regular files
