@@ -1,11 +1,15 @@
-"""Engine cache: what verifying an engine's sha256 adds to loading it.
+"""Engine cache: what verifying an engine's digests adds to loading it.
 
-Target (issue 3): verification costs at most 15% of a load without verification, on a
-1 GiB engine file. A runtime pod loads its engine once, into fresh memory, so every
-measurement runs in a fresh process (interpreter start excluded from the timing):
-`read_verified` (reading and hashing overlap, chunk by chunk, in two threads) against
-`read_unverified` (the same read, no hash), then the same two followed by what comes next
-in a real load, deserializing the engine (an ONNX Runtime session).
+Targets (issue 3, issue 12 item 5): on a 1 GiB engine file, verification adds at most 15%
+to a cold read (from storage) and at most 50% to a warm one (from the page cache). A
+runtime pod loads its engine once, into fresh memory, so every measurement runs in a
+fresh process (interpreter start excluded from the timing): `read_verified` (min(CPUs, 8)
+threads each read a chunk into the buffer and check its sha256 at once) against the same
+parallel reads without hashing (`read_unverified(threads=...)`, the baseline the targets
+are judged by) and against `read_unverified`'s single read call; the same entry with its chunk
+digests removed from the manifest (as an entry published before them: the whole file's
+sha256 on one core, overlapping the read, as before); then a read followed by what comes
+next in a real load, deserializing the engine (an ONNX Runtime session).
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ import time
 
 from kiln.runtime import cache, enginekey
 
-TARGET_OVERHEAD = 0.15
+TARGET_OVERHEAD = 0.15  # cold, and a whole load
+TARGET_WARM_OVERHEAD = 0.50
 
 # Runs in a fresh interpreter: one load, its seconds on stdout.
 _CHILD = """
 import sys, time
 from kiln.runtime import cache
 entry, mode, backend = sys.argv[1:4]
-read = cache.read_verified if mode == "verified" else cache.read_unverified
+read = {"verified": cache.read_verified, "unverified": cache.read_unverified,
+        "parallel": lambda e: cache.read_unverified(e, threads=cache._verify_threads(1 << 30))
+        }[mode]
 if backend != "-":
     from kiln.runtime.backends import get_backend
     b = get_backend(backend)
@@ -95,11 +102,35 @@ def _onnx_engine(size: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def _sha_seconds(size: int) -> float:
-    data = os.urandom(16 << 20) * (size // (16 << 20))
+def _sha_seconds(size: int, threads: int = 0) -> float:
+    """One sha256 over `size` bytes (threads=0), or its chunk digests on `threads` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = memoryview(os.urandom(16 << 20) * (size // (16 << 20)))
     started = time.perf_counter()
-    hashlib.sha256(data).digest()
+    if not threads:
+        hashlib.sha256(view).digest()
+    else:
+        step = cache.DIGEST_CHUNK_BYTES
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda i: hashlib.sha256(view[i:i + step]).digest(),
+                          range(0, size, step)))
     return time.perf_counter() - started
+
+
+def _without_chunk_digests(root, entry: str) -> str:
+    """A copy of the entry under another model, its manifest as before chunk digests."""
+    import json
+
+    copy = os.path.join(root, "bench", "old", os.path.basename(entry))
+    shutil.copytree(entry, copy)
+    path = os.path.join(copy, cache.MANIFEST)
+    with open(path) as f:
+        doc = json.load(f)
+    del doc["chunkBytes"], doc["chunkSha256"]
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return copy
 
 
 def run(quick: bool) -> str:
@@ -108,51 +139,76 @@ def run(quick: bool) -> str:
     mib = size >> 20
     rows = []
 
-    def row(label, base, ver):
-        over = ver / base - 1
-        rows.append(f"| {label} | {base * 1000:.0f} ms | {ver * 1000:.0f} ms | {ver / base:.2f} | "
-                    f"{over:+.0%} | {'met' if over <= TARGET_OVERHEAD else 'missed'} |")
+    def row(label, one, par, ver, target=TARGET_OVERHEAD):
+        # Judged against the same parallel reads without hashing: what verification adds.
+        over = ver / par - 1
+        verdict = "" if target is None else (
+            f"{target:+.0%}: {'met' if over <= target else 'missed'}")
+        rows.append(f"| {label} | {one * 1000:.0f} ms | {par * 1000:.0f} ms | "
+                    f"{ver * 1000:.0f} ms | {over:+.0%} | {ver / one - 1:+.0%} | {verdict} |")
+
+    def measure(entry, backend="-", before=None, old_before=None, old=None):
+        m = lambda mode, e=entry, b=before: _median(  # noqa: E731
+            lambda: _fresh(e, mode, backend), runs, b)
+        got = m("unverified"), m("parallel"), m("verified")
+        return got if old is None else (*got, m("verified", old, old_before))
 
     root = tempfile.mkdtemp(prefix="kiln-bench-cache-")
     try:
         raw = _publish(root, "raw", os.urandom(16 << 20) * (size // (16 << 20)),
                        "tensorrt", "engine.plan")
+        old = _without_chunk_digests(root, raw)
         _fresh(raw, "unverified")  # into the page cache
-        row("read, warm page cache", _median(lambda: _fresh(raw, "unverified"), runs),
-            _median(lambda: _fresh(raw, "verified"), runs))
+        _fresh(old, "unverified")
+        one, par, ver, whole = measure(raw, old=old)
+        row("read, warm page cache", one, par, ver, TARGET_WARM_OVERHEAD)
+        row("read, warm, whole-file sha256 only (an entry without chunk digests)", one, par,
+            whole, None)
         path = os.path.join(raw, "engine.plan")
         if _drop_page_cache(path):
             drop = lambda: _drop_page_cache(path)  # noqa: E731
-            row("read, cold (page cache dropped)",
-                _median(lambda: _fresh(raw, "unverified"), runs, drop),
-                _median(lambda: _fresh(raw, "verified"), runs, drop))
+            old_path = os.path.join(old, "engine.plan")
+            drop_old = lambda: _drop_page_cache(old_path)  # noqa: E731
+            one, par, ver, whole = measure(raw, before=drop, old_before=drop_old, old=old)
+            row("read, cold (page cache dropped)", one, par, ver)
+            row("read, cold, whole-file sha256 only", one, par, whole, None)
         shutil.rmtree(raw)
+        shutil.rmtree(old)
 
         onnx_entry = _publish(root, "mlp", _onnx_engine(size), "onnxruntime", "engine.onnx")
         _fresh(onnx_entry, "unverified")
         row("read + deserialize (ONNX Runtime session), warm page cache",
-            _median(lambda: _fresh(onnx_entry, "unverified", "onnxruntime"), runs),
-            _median(lambda: _fresh(onnx_entry, "verified", "onnxruntime"), runs))
+            *measure(onnx_entry, "onnxruntime"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     sha = _sha_seconds(size)
+    threads = cache._verify_threads(size // cache.DIGEST_CHUNK_BYTES)
+    sha_parallel = _sha_seconds(size, threads)
 
     return "\n".join([
-        "## Engine cache: sha256 verification overhead (issue 3)",
+        "## Engine cache: verification overhead (issue 3, issue 12 item 5)",
         "",
         f"A {mib} MiB engine, each load in a fresh process (as a pod loads it: once, into "
-        f"fresh memory), median of {runs}. Target: verification adds at most "
-        f"{TARGET_OVERHEAD:.0%} to the same load without it.",
+        f"fresh memory), median of {runs}. Targets: verification adds at most "
+        f"{TARGET_OVERHEAD:.0%} to a cold read and to a whole load, at most "
+        f"{TARGET_WARM_OVERHEAD:.0%} to a warm read. {os.cpu_count()} CPUs here; "
+        f"{threads} threads, chunks of {cache.DIGEST_CHUNK_BYTES >> 20} MiB. The overhead is "
+        f"against the same parallel reads without hashing (what verification adds); the "
+        f"column after it is against `read_unverified`'s single read call, for reference.",
         "",
-        "| load | without verification | with verification | ratio | overhead | target |",
-        "|---|---|---|---|---|---|",
+        "| load | unverified, one read call | unverified, the same parallel reads | verified "
+        "| overhead | (against one read call) | target |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"SHA-256 alone runs at {mib / sha:.0f} MiB/s on this CPU (OpenSSL through hashlib; "
-        f"one digest cannot be spread over cores). Reading and hashing overlap chunk by "
-        f"chunk, and the buffer is not zero-filled first, so a verified read costs about "
-        f"max(read, hash) rather than their sum: the overhead left is the hash's speed "
-        f"against the read's. A read from the page cache moves memory faster than SHA-256 "
-        f"can hash it; from storage, the hash hides behind the read; and in a whole load the "
+        f"SHA-256 runs at {mib / sha:.0f} MiB/s on one core here (OpenSSL through hashlib), "
+        f"{mib / sha_parallel:.0f} MiB/s as {cache.DIGEST_CHUNK_BYTES >> 20} MiB chunk digests "
+        f"on {threads} threads. One digest of the whole file cannot be spread over cores, so "
+        f"the manifest also holds each chunk's sha256; each thread reads a chunk into the buffer "
+        f"(not zero-filled first; os.preadv, so several reads are in flight) and hashes it "
+        f"at once, while the others read. A verified read costs about max(read, hash spread "
+        f"over the threads): from storage the hash hides behind the read; from the page cache "
+        f"the read is a memory copy, faster than a few cores of SHA-256 (per core: about "
+        f"{mib / sha:.0f} MiB/s of hash against several GB/s of copy); in a whole load the "
         f"deserialization that follows dominates.",
     ])

@@ -311,7 +311,10 @@ def _load_check(backend, entry, clock: Callable[[], float], log: Log) -> float:
     from kiln.runtime import cache
 
     started = clock()
-    data, manifest, _ = cache.read_verified(entry)
+    # The one read that also recomputes the whole file's sha256: it proves, from the bytes
+    # on the volume, that the manifest's chunk digests and whole digest describe one file
+    # (pods check the chunk digests only).
+    data, manifest, _ = cache.read_verified(entry, whole_digest=True)
     engine = backend.load(data, manifest.profiles())
     try:
         engine.create_context().close()

@@ -5,7 +5,9 @@ Layout: `<root>/<namespace>/<model>/<key>/` holds the engine file (named by the 
 (`.tmp-<key>-*`, locked by its writer for as long as it lives) and rename it into place,
 so a reader sees a complete entry or none, and two builders of one key end with one valid
 entry. Runtime pods read the engine in one streaming pass that hashes as it reads and
-refuse it when size or sha256 differ from the manifest.
+refuse it when its size or a digest differs from the manifest: the manifest records the
+whole file's sha256 (what `sha256sum` prints) and the sha256 of each `chunkBytes` piece,
+which several threads read and check at once (see read_verified).
 
 An entry is trusted only for what lies inside its own directory: its manifest must name
 its directory's key and a plain engine file name, and both files must be regular files
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import stat
 import tempfile
@@ -42,7 +45,13 @@ QUARANTINE_PREFIX = ".quarantine-"  # a corrupt entry a build moved aside (GC re
 QUARANTINE_REASON = "quarantine-reason.txt"  # inside it: why, for whoever looks at the volume
 LOCK_FILE = ".lock"  # inside a temporary: flock'd by its writer while it lives
 MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes; more is not one
-CHUNK_BYTES = 8 << 20  # large enough to amortize syscalls, small enough to stay in cache
+CHUNK_BYTES = 16 << 20  # a read call: large enough to amortize syscalls
+# Each DIGEST_CHUNK_BYTES piece of an engine has its own sha256 in the manifest, so pieces
+# are checked on several cores at once; 16 MiB: 64 digests for a 1 GiB engine (about 4 KB
+# of manifest), and what is left to hash after the last byte arrives is one piece (~8 ms).
+DIGEST_CHUNK_BYTES = 16 << 20
+MAX_VERIFY_THREADS = 8
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 STALE_TEMP_SECONDS = 6 * 3600  # a publish never takes this long; older temporaries are debris
 
 
@@ -66,9 +75,17 @@ class Manifest:
     target: str
     build_seconds: float
     built_at: str  # ISO 8601, UTC
+    # The sha256 of each chunk_bytes piece of the engine, in order (the last may be
+    # shorter). Entries published before chunk digests existed have neither (0, ()), and
+    # are verified with the whole file's sha256.
+    chunk_bytes: int = 0
+    chunk_sha256: tuple[str, ...] = ()
 
     def to_json(self) -> str:
+        chunks = ({"chunkBytes": self.chunk_bytes, "chunkSha256": list(self.chunk_sha256)}
+                  if self.chunk_bytes else {})
         return json.dumps({
+            **chunks,
             "schema": MANIFEST_SCHEMA,
             "key": self.key,
             "inputs": self.inputs,
@@ -91,10 +108,14 @@ class Manifest:
                 sha256=str(d["sha256"]).lower(), size_bytes=int(d["sizeBytes"]),
                 backend=str(d["backend"]), backend_version=str(d["backendVersion"]),
                 target=str(d["target"]), build_seconds=float(d["buildSeconds"]),
-                built_at=str(d["builtAt"]),
+                built_at=str(d["builtAt"]), **_chunks_of(d),
             )
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise CacheError(f"invalid manifest: {type(e).__name__}: {e}") from e
+
+    def chunk_count_expected(self) -> int:
+        """How many chunk digests an engine of size_bytes has in chunk_bytes pieces."""
+        return -(-self.size_bytes // self.chunk_bytes) if self.chunk_bytes else 0
 
     def profiles(self) -> dict[str, ShapeRange]:
         """The optimization profiles the engine was built with, as the loader wants them."""
@@ -104,10 +125,23 @@ class Manifest:
         }
 
 
+def _chunks_of(d: Mapping[str, Any]) -> dict[str, Any]:
+    if "chunkBytes" not in d and "chunkSha256" not in d:
+        return {}  # an entry published before chunk digests: the whole-file sha256 only
+    size, digests = d["chunkBytes"], d["chunkSha256"]
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"chunkBytes must be a positive integer, got {size!r}")
+    if not isinstance(digests, list) or not all(
+            isinstance(x, str) and _HEX64.fullmatch(x.lower()) for x in digests):
+        raise ValueError("chunkSha256 must be a list of sha256 digests (64 hex characters)")
+    return {"chunk_bytes": size, "chunk_sha256": tuple(x.lower() for x in digests)}
+
+
 @dataclass(frozen=True)
 class LoadTimings:
-    # Reading and hashing overlap; verify_seconds is only the hashing left after the last
-    # byte arrived, i.e. what verification adds to a load.
+    # Reading and hashing overlap; read_seconds runs from allocating the buffer to the last
+    # byte read, verify_seconds is only the hashing (on every verifying thread) left after
+    # the last byte arrived, i.e. what verification adds to a load.
     read_seconds: float
     verify_seconds: float
 
@@ -274,6 +308,14 @@ def _open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int] | N
         raise CacheIntegrityError(
             f"{path}: size {size} bytes, manifest expects {manifest.size_bytes} bytes "
             f"(truncated or replaced); refusing to load it")
+    # Chunk digests cover the file exactly: ceil(size / chunkBytes) of them, none past the
+    # end, none missing (the whole-file sha256 is not recomputed when they exist).
+    if manifest.chunk_bytes and len(manifest.chunk_sha256) != manifest.chunk_count_expected():
+        os.close(fd)
+        raise CacheIntegrityError(
+            f"{directory / MANIFEST}: {len(manifest.chunk_sha256)} chunk digests, but "
+            f"sizeBytes {manifest.size_bytes} in chunks of {manifest.chunk_bytes} bytes makes "
+            f"{manifest.chunk_count_expected()}; the manifest is inconsistent, refusing it")
     return manifest, path, fd, size
 
 
@@ -294,8 +336,12 @@ def lookup(root: str | os.PathLike, namespace: str, model: str, key: str) -> Man
 def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
             engine: bytes | bytearray | memoryview, *, engine_file: str,
             inputs: Mapping[str, Any], backend: str, backend_version: str, target: str,
-            build_seconds: float, clock: Callable[[], float] = time.time) -> Manifest:
+            build_seconds: float, clock: Callable[[], float] = time.time,
+            chunk_bytes: int = DIGEST_CHUNK_BYTES) -> Manifest:
     """Store an engine under its key atomically and return the entry's manifest.
+
+    The manifest holds the engine's sha256 and the sha256 of each `chunk_bytes` piece,
+    both computed here from the same bytes in memory (the bytes then written).
 
     If the key is already published (another builder won the race) the existing entry
     stays, ours is discarded, and the existing manifest is returned: keys are immutable.
@@ -311,13 +357,17 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
     if existing is not None:
         return existing
 
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     view = memoryview(engine).cast("B")
+    whole, chunks = _digests(view, chunk_bytes)
     manifest = Manifest(
         key=key, inputs=json.loads(json.dumps(dict(inputs))), engine_file=engine_file,
-        sha256=hashlib.sha256(view).hexdigest(), size_bytes=view.nbytes, backend=backend,
+        sha256=whole, size_bytes=view.nbytes, backend=backend,
         backend_version=backend_version, target=target, build_seconds=round(build_seconds, 3),
         built_at=datetime.datetime.fromtimestamp(clock(), datetime.timezone.utc)
         .isoformat(timespec="seconds").replace("+00:00", "Z"),
+        chunk_bytes=chunk_bytes, chunk_sha256=chunks,
     )
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_temporaries(root, namespace, model, key)
@@ -348,6 +398,29 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
     finally:
         os.close(lock)
     return manifest
+
+
+def _verify_threads(chunks: int) -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(max(cpus, 2), MAX_VERIFY_THREADS, chunks))
+
+
+def _digests(view: memoryview, chunk_bytes: int) -> tuple[str, tuple[str, ...]]:
+    """The whole buffer's sha256 and each chunk's, on a few threads (hashlib releases the
+    GIL on large buffers): the whole digest on one, the chunks on the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spans = [(start, min(start + chunk_bytes, view.nbytes))
+             for start in range(0, view.nbytes, chunk_bytes)]
+    with ThreadPoolExecutor(max_workers=_verify_threads(len(spans) + 1),
+                            thread_name_prefix="kiln-digest") as pool:
+        whole = pool.submit(lambda: hashlib.sha256(view).hexdigest())
+        chunks = list(pool.map(lambda span: hashlib.sha256(view[span[0]:span[1]]).hexdigest(),
+                               spans))
+        return whole.result(), tuple(chunks)
 
 
 def _locked_temporary(parent: Path, key: str) -> tuple[Path, int]:
@@ -435,17 +508,28 @@ def _buffer(size: int) -> memoryview:
     return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
 
 
-def _read_into(f, view: memoryview, on_chunk: Callable[[memoryview], None] | None,
+def _read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Read into `view` from `offset` of the file: the one place the cache reads engine
+    bytes (positional, so several threads share the one fd that was checked)."""
+    return os.preadv(fd, [view], offset)
+
+
+def _read_into(fd: int, view: memoryview, on_chunk: Callable[[memoryview], None] | None,
                chunk: int) -> int:
     done = 0
     while done < len(view):
-        n = f.readinto(view[done:done + chunk])
+        n = _read_at(fd, view[done:done + chunk], done)
         if not n:
             break
         if on_chunk is not None:
             on_chunk(view[done:done + n])
         done += n
     return done
+
+
+def _grew(fd: int, size: int) -> bool:
+    """Whether the file has bytes past `size`: then it is not the file the manifest describes."""
+    return bool(os.pread(fd, 1, size))
 
 
 def _open_published(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int]:
@@ -455,22 +539,133 @@ def _open_published(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int]
     return opened
 
 
-def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
-                  ) -> tuple[memoryview, Manifest, LoadTimings]:
-    """Read an entry's engine and check its size and sha256 against the manifest.
+def _read_parallel(fd: int, buf: memoryview, piece: int, expected: tuple[str, ...] | None,
+                   workers: int, read_bytes: int) -> tuple[int, float, list[tuple[int, str]]]:
+    """Fill `buf` from `fd` one `piece` at a time on `workers` threads, each reading a whole
+    chunk (os.preadv at its offset, so several reads are in flight on storage) and, when
+    `expected` is given, hashing it at once against expected[index] (while it is still in
+    the CPU's cache; hashlib releases the GIL). Stops at the first mismatch or short read.
+    Returns (bytes read, when the last read ended, [(chunk index, actual digest)])."""
+    size = len(buf)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for index in range(-(-size // piece)):
+        todo.put(index)
+    stop = threading.Event()
+    failure: list[BaseException] = []
+    mismatches: list[tuple[int, str]] = []
+    short = [0]  # bytes missing: the file shrank while it was read
+    read_end = [0.0]
 
-    One pass over the file: a reader thread fills a preallocated buffer chunk by chunk
-    while this thread hashes each chunk (both release the GIL), so on storage slower than
-    SHA-256 the check costs almost nothing. Returns the engine as a memoryview (no extra
-    copy of a large file). Raises CacheIntegrityError naming the file and both values.
+    def work() -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    index = todo.get_nowait()
+                except queue.Empty:
+                    return
+                start = index * piece
+                end = min(size, start + piece)
+                done = start
+                while done < end:
+                    n = _read_at(fd, buf[done:min(end, done + read_bytes)], done)
+                    if not n:
+                        short[0] += end - done
+                        stop.set()
+                        return
+                    done += n
+                read_end[0] = max(read_end[0], time.perf_counter())
+                if expected is not None:
+                    actual = hashlib.sha256(buf[start:end]).hexdigest()
+                    if actual != expected[index]:
+                        mismatches.append((index, actual))
+                        stop.set()
+        except BaseException as e:  # reported in the caller's thread
+            failure.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=work, name=f"kiln-engine-read-{i}", daemon=True)
+               for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failure:
+        raise failure[0]
+    got = size - short[0]
+    # A file that grew after fstat() is not the file the manifest describes.
+    if not short[0] and not mismatches and _grew(fd, size):
+        got = size + 1
+    return got, read_end[0] or time.perf_counter(), mismatches
+
+
+def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES,
+                  threads: int | None = None, whole_digest: bool = False
+                  ) -> tuple[memoryview, Manifest, LoadTimings]:
+    """Read an entry's engine and check its size and digests against the manifest.
+
+    With chunk digests (every entry published since they exist): `threads` workers (by
+    default min(CPUs, 8), at least 2) take the `chunkBytes` pieces in turn; each reads its
+    piece into the preallocated buffer (os.preadv on the fd that was checked, at most
+    `chunk_bytes` per call, so several reads are in flight on storage) and checks it at
+    once against its `chunkSha256` (hashlib releases the GIL), so verification spreads
+    over cores and keeps up with storage faster than one core's SHA-256. The whole-file
+    `sha256` is then not recomputed (one digest cannot be spread over cores): publish
+    computed both from the same bytes, the build's load check reads the entry back with
+    `whole_digest=True` (chunks, then the whole digest: one more pass, in the build Job
+    only), and a chunk list that does not cover `sizeBytes` exactly is refused. A manifest
+    is not signed, so chunk digests protect as much as the whole one: whoever could edit
+    one could edit both. An entry without chunk digests (published before them) is
+    checked against the whole file's sha256, hashed on this thread while a reader thread
+    reads it, as before.
+
+    By hand, with standard tools, in the entry directory: `sha256sum engine.plan` prints the
+    manifest's `sha256`; `split -b <chunkBytes> -d -a 6 engine.plan /tmp/chunk. && sha256sum
+    /tmp/chunk.*` prints its `chunkSha256`, in order.
+
+    Returns the engine as a memoryview (no extra copy of a large file). Raises
+    CacheIntegrityError naming the file and both values (for a chunk: its index, byte
+    range and both digests).
     """
     manifest, path, fd, size = _open_published(entry)
     started = time.perf_counter()  # allocation included: a load needs the memory either way
     try:
         buf = _buffer(size)
-    except BaseException:
+        piece, expected = manifest.chunk_bytes, manifest.chunk_sha256
+        if expected:
+            workers = max(1, int(threads)) if threads else _verify_threads(len(expected))
+            got, read_end, mismatches = _read_parallel(fd, buf, piece, expected, workers,
+                                                       max(1, chunk_bytes))
+            digest = hashlib.sha256(buf) if whole_digest and got == size and not mismatches \
+                else None
+        else:
+            got, read_end, digest = _read_hashing(fd, buf, chunk_bytes)
+            mismatches = []
+    finally:
         os.close(fd)
-        raise
+    finished = time.perf_counter()
+    if mismatches:
+        index, actual = min(mismatches)
+        start, end = index * piece, min(size, (index + 1) * piece)
+        raise CacheIntegrityError(
+            f"{path}: chunk {index} (bytes {start}-{end - 1}, chunkBytes {piece}): sha256 "
+            f"{actual} does not match the manifest's chunkSha256[{index}] {expected[index]}; "
+            f"the engine is corrupt or was modified, refusing to load it")
+    if got != size:
+        raise CacheIntegrityError(
+            f"{path}: read {got} bytes, manifest expects {manifest.size_bytes} bytes "
+            f"(the file changed while it was read); refusing to load it")
+    if digest is not None and (actual := digest.hexdigest()) != manifest.sha256:
+        raise CacheIntegrityError(
+            f"{path}: sha256 {actual} does not match the manifest's {manifest.sha256}; "
+            f"the engine is corrupt or was modified, refusing to load it")
+    return buf, manifest, LoadTimings(read_seconds=read_end - started,
+                                      verify_seconds=max(0.0, finished - read_end))
+
+
+def _read_hashing(fd: int, buf: memoryview, chunk_bytes: int) -> tuple[int, float, Any]:
+    """An entry without chunk digests: a reader thread fills the buffer chunk by chunk while
+    this thread hashes each chunk (both release the GIL). (bytes read, read end, digest)"""
+    size = len(buf)
     digest = hashlib.sha256()
     chunks: queue.SimpleQueue = queue.SimpleQueue()
     failure: list[BaseException] = []
@@ -479,11 +674,9 @@ def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
 
     def reader() -> None:
         try:
-            with open(fd, "rb", buffering=0) as f:
-                got[0] = _read_into(f, buf, chunks.put, chunk_bytes)
-                # A file that grew after fstat() is not the file the manifest describes.
-                if f.read(1):
-                    got[0] = size + 1
+            got[0] = _read_into(fd, buf, chunks.put, chunk_bytes)
+            if got[0] == size and _grew(fd, size):
+                got[0] = size + 1
         except BaseException as e:  # reported in the caller's thread
             failure.append(e)
         finally:
@@ -492,35 +685,30 @@ def read_verified(entry: str | os.PathLike, *, chunk_bytes: int = CHUNK_BYTES
 
     thread = threading.Thread(target=reader, name="kiln-engine-read", daemon=True)
     thread.start()
-    while True:
-        piece = chunks.get()
-        if piece is None:
-            break
+    while (piece := chunks.get()) is not None:
         digest.update(piece)
     thread.join()
-    finished = time.perf_counter()
     if failure:
         raise failure[0]
-    if got[0] != size:
-        raise CacheIntegrityError(
-            f"{path}: read {got[0]} bytes, manifest expects {manifest.size_bytes} bytes "
-            f"(the file changed while it was read); refusing to load it")
-    actual = digest.hexdigest()
-    if actual != manifest.sha256:
-        raise CacheIntegrityError(
-            f"{path}: sha256 {actual} does not match the manifest's {manifest.sha256}; "
-            f"the engine is corrupt or was modified, refusing to load it")
-    return buf, manifest, LoadTimings(read_seconds=read_end[0] - started,
-                                      verify_seconds=max(0.0, finished - read_end[0]))
+    return got[0], read_end[0], digest
 
 
-def read_unverified(entry: str | os.PathLike) -> tuple[memoryview, Manifest, float]:
-    """Read an entry's engine without hashing it (the benchmark's baseline). Seconds returned."""
+def read_unverified(entry: str | os.PathLike, *, threads: int = 1, chunk_bytes: int = CHUNK_BYTES
+                    ) -> tuple[memoryview, Manifest, float]:
+    """Read an entry's engine without hashing it (the benchmark's baselines): one read call,
+    or with `threads` > 1 the parallel reads read_verified makes, minus the hashing (by
+    the manifest's chunks, else DIGEST_CHUNK_BYTES pieces). Seconds returned."""
     manifest, path, fd, size = _open_published(entry)
     started = time.perf_counter()
-    with open(fd, "rb", buffering=0) as f:
+    try:
         buf = _buffer(size)
-        n = _read_into(f, buf, None, max(size, 1))
+        if threads > 1:
+            n = _read_parallel(fd, buf, manifest.chunk_bytes or DIGEST_CHUNK_BYTES, None,
+                               threads, max(1, chunk_bytes))[0]
+        else:
+            n = _read_into(fd, buf, None, max(size, 1))
+    finally:
+        os.close(fd)
     if n != size:
         raise CacheIntegrityError(f"{path}: read {n} bytes, manifest expects {size} bytes")
     return buf, manifest, time.perf_counter() - started

@@ -214,7 +214,8 @@ def _corrupt(case, tmp_path, entry):
         garbage = b"\x08\x01 not an onnx model at all \xff\xff"
         engine.write_bytes(garbage)
         doc = json.loads(manifest.read_text())
-        doc.update(sizeBytes=len(garbage), sha256=hashlib.sha256(garbage).hexdigest())
+        doc.update(sizeBytes=len(garbage), sha256=hashlib.sha256(garbage).hexdigest(),
+                   chunkSha256=[hashlib.sha256(garbage).hexdigest()])  # one chunk
         manifest.write_text(json.dumps(doc))
         return "the cached engine does not load: ONNX Runtime cannot load the engine"
     raise AssertionError(case)

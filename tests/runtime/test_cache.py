@@ -146,6 +146,192 @@ def test_truncated_engine_is_refused_naming_file_and_sizes(tmp_path):
         cache.lookup(tmp_path, NS, MODEL, m.key)
 
 
+# -- chunk digests: verified on several threads ------------------------------------------
+
+CHUNK = 64 << 10  # small chunks, so a multi-chunk engine stays small
+
+
+def publish_chunked(root, engine, chunk_bytes=CHUNK):
+    ki = inputs()
+    m = cache.publish(root, NS, MODEL, ki.key, engine, engine_file="engine.onnx",
+                      inputs=ki.to_dict(), backend="onnxruntime", backend_version="1.32.0",
+                      target="cpu", build_seconds=1.25, chunk_bytes=chunk_bytes)
+    return m, cache.entry_dir(root, NS, MODEL, m.key)
+
+
+def test_publish_records_the_whole_digest_and_one_per_chunk(tmp_path):
+    engine = os.urandom(5 * CHUNK + 123)  # the last chunk is short
+    m, entry = publish_chunked(tmp_path, engine)
+    on_disk = json.loads((entry / "manifest.json").read_text())
+    assert on_disk["sha256"] == hashlib.sha256(engine).hexdigest()  # what sha256sum prints
+    assert on_disk["chunkBytes"] == CHUNK
+    assert on_disk["chunkSha256"] == [hashlib.sha256(engine[i:i + CHUNK]).hexdigest()
+                                      for i in range(0, len(engine), CHUNK)]
+    assert len(on_disk["chunkSha256"]) == 6
+    assert cache.Manifest.from_json(m.to_json()) == m
+    assert (m.chunk_bytes, len(m.chunk_sha256)) == (CHUNK, 6)
+    # The default is DIGEST_CHUNK_BYTES.
+    default = publish(tmp_path / "d", os.urandom(1000))
+    assert default.chunk_bytes == cache.DIGEST_CHUNK_BYTES and len(default.chunk_sha256) == 1
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3, 8])
+@pytest.mark.parametrize("size", [0, 1, CHUNK, 7 * CHUNK, 7 * CHUNK + 1])
+def test_a_multi_chunk_engine_verifies(tmp_path, size, threads):
+    engine = os.urandom(size)
+    m, entry = publish_chunked(tmp_path, engine)
+    for read_bytes in (cache.CHUNK_BYTES, CHUNK // 3, 3 * CHUNK + 5):  # reads across chunks
+        data, manifest, timings = cache.read_verified(entry, chunk_bytes=read_bytes,
+                                                      threads=threads)
+        assert bytes(data) == engine and manifest == m
+        assert timings.read_seconds >= 0 and timings.verify_seconds >= 0
+    data, _, _ = cache.read_verified(entry, whole_digest=True)
+    assert bytes(data) == engine
+    for threads in (1, 3):  # the benchmark's baselines: one read, the same parallel reads
+        assert bytes(cache.read_unverified(entry, threads=threads, chunk_bytes=CHUNK // 3)[0]) \
+            == engine
+
+
+@pytest.mark.parametrize("k", [0, 3, 6])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_flipped_byte_in_chunk_k_is_refused_naming_chunk_k(tmp_path, k, threads):
+    engine = bytearray(os.urandom(6 * CHUNK + 1000))
+    m, entry = publish_chunked(tmp_path, bytes(engine))
+    offset = k * CHUNK + 777 if k < 6 else 6 * CHUNK + 999
+    engine[offset] ^= 0x01
+    (entry / "engine.onnx").write_bytes(engine)
+    end = min(len(engine), (k + 1) * CHUNK) - 1
+    actual = hashlib.sha256(engine[k * CHUNK:end + 1]).hexdigest()
+    with pytest.raises(cache.CacheIntegrityError) as e:
+        cache.read_verified(entry, threads=threads, chunk_bytes=CHUNK // 2)
+    message = str(e.value)
+    assert f"{entry / 'engine.onnx'}: chunk {k} (bytes {k * CHUNK}-{end}, chunkBytes {CHUNK})" \
+        in message
+    assert f"sha256 {actual} does not match the manifest's chunkSha256[{k}] " \
+        f"{m.chunk_sha256[k]}" in message
+    # The whole-file check, as the build's load check asks for, refuses it too.
+    with pytest.raises(cache.CacheIntegrityError, match=f"chunk {k} "):
+        cache.read_verified(entry, whole_digest=True)
+
+
+@pytest.mark.parametrize("change", ["truncated", "extended", "last-chunk-short"])
+def test_a_truncated_or_extended_chunked_engine_is_refused(tmp_path, change):
+    engine = os.urandom(4 * CHUNK)
+    m, entry = publish_chunked(tmp_path, engine)
+    path = entry / "engine.onnx"
+    changed = {"truncated": engine[:3 * CHUNK], "extended": engine + b"\0",
+               "last-chunk-short": engine[:-1]}[change]
+    path.write_bytes(changed)
+    for read in (cache.read_verified, cache.read_unverified):
+        with pytest.raises(cache.CacheIntegrityError) as e:
+            read(entry)
+        assert f"size {len(changed)} bytes, manifest expects {4 * CHUNK} bytes" in str(e.value)
+
+
+@pytest.mark.parametrize("old", [False, True])
+@pytest.mark.parametrize("change", ["grows", "shrinks"])
+def test_a_file_that_changes_size_while_it_is_read_is_refused(tmp_path, monkeypatch, change, old):
+    engine = os.urandom(3 * CHUNK)
+    m, entry = publish_chunked(tmp_path, engine)
+    if old:  # no chunk digests: the sequential read
+        _rewrite_manifest(entry, chunkBytes=None, chunkSha256=None)
+        doc = json.loads((entry / "manifest.json").read_text())
+        del doc["chunkBytes"], doc["chunkSha256"]
+        (entry / "manifest.json").write_text(json.dumps(doc))
+    real_open = cache._open_published
+
+    def then_change(e):
+        opened = real_open(e)
+        if change == "grows":
+            with open(entry / "engine.onnx", "ab") as f:
+                f.write(b"more")
+        else:
+            os.truncate(entry / "engine.onnx", 2 * CHUNK + 7)
+        return opened
+
+    monkeypatch.setattr(cache, "_open_published", then_change)
+    got = 3 * CHUNK + 1 if change == "grows" else 2 * CHUNK + 7
+    with pytest.raises(cache.CacheIntegrityError,
+                       match=f"read {got} bytes, manifest expects {3 * CHUNK} bytes "
+                             r"\(the file changed while it was read\)"):
+        cache.read_verified(entry, threads=1)
+
+
+@pytest.mark.parametrize("edit", ["one-missing", "one-extra", "chunk-size", "size", "empty"])
+def test_a_chunk_list_that_does_not_cover_size_bytes_is_refused(tmp_path, edit):
+    engine = os.urandom(4 * CHUNK + 10)  # 5 chunks
+    m, entry = publish_chunked(tmp_path, engine)
+    chunks = list(m.chunk_sha256)
+    if edit == "one-missing":
+        _rewrite_manifest(entry, chunkSha256=chunks[:-1])
+        count, size, piece = 4, len(engine), CHUNK
+    elif edit == "one-extra":
+        _rewrite_manifest(entry, chunkSha256=chunks + [chunks[0]])
+        count, size, piece = 6, len(engine), CHUNK
+    elif edit == "chunk-size":
+        _rewrite_manifest(entry, chunkBytes=2 * CHUNK)
+        count, size, piece = 5, len(engine), 2 * CHUNK
+    elif edit == "size":  # the file cut to a whole number of chunks, and sizeBytes with it
+        (entry / "engine.onnx").write_bytes(engine[:4 * CHUNK])
+        _rewrite_manifest(entry, sizeBytes=4 * CHUNK)
+        count, size, piece = 5, 4 * CHUNK, CHUNK
+    else:
+        _rewrite_manifest(entry, chunkSha256=[])
+        count, size, piece = 0, len(engine), CHUNK
+    expected = (f"{entry / 'manifest.json'}: {count} chunk digests, but sizeBytes {size} in "
+                f"chunks of {piece} bytes makes {-(-size // piece)}")
+    for read in (cache.read_verified, cache.read_unverified):
+        with pytest.raises(cache.CacheIntegrityError) as e:
+            read(entry)
+        assert expected in str(e.value)
+    with pytest.raises(cache.CacheIntegrityError, match="the manifest is inconsistent"):
+        cache.lookup(tmp_path, NS, MODEL, m.key)
+
+
+@pytest.mark.parametrize("fields", [{"chunkBytes": 0}, {"chunkBytes": -1}, {"chunkBytes": True},
+                                    {"chunkBytes": "65536"}, {"chunkSha256": "ab"},
+                                    {"chunkSha256": ["xyz"]}, {"chunkSha256": None}])
+def test_malformed_chunk_fields_are_an_invalid_manifest(tmp_path, fields):
+    m, entry = publish_chunked(tmp_path, os.urandom(2 * CHUNK))
+    _rewrite_manifest(entry, **fields)
+    with pytest.raises(cache.CacheError, match="invalid manifest"):
+        cache.read_verified(entry)
+    doc = json.loads(m.to_json())
+    del doc["chunkSha256"]  # one without the other
+    with pytest.raises(cache.CacheError, match="invalid manifest"):
+        cache.Manifest.from_json(json.dumps(doc))
+
+
+def test_an_old_manifest_without_chunks_verifies_with_the_whole_digest(tmp_path):
+    engine = bytearray(os.urandom(3 * CHUNK + 5))
+    m, entry = publish_chunked(tmp_path, bytes(engine))
+    doc = json.loads((entry / "manifest.json").read_text())
+    del doc["chunkBytes"], doc["chunkSha256"]  # as an entry published before chunk digests
+    (entry / "manifest.json").write_text(json.dumps(doc))
+    data, old, _ = cache.read_verified(entry, chunk_bytes=CHUNK // 2)
+    assert bytes(data) == engine and old.chunk_bytes == 0 and old.chunk_sha256 == ()
+    assert "chunkBytes" not in old.to_json() and cache.Manifest.from_json(old.to_json()) == old
+    assert cache.lookup(tmp_path, NS, MODEL, m.key) == old
+    engine[2 * CHUNK + 1] ^= 0x80  # and corruption is still caught, by the whole digest
+    (entry / "engine.onnx").write_bytes(engine)
+    with pytest.raises(cache.CacheIntegrityError) as e:
+        cache.read_verified(entry)
+    assert (f"sha256 {hashlib.sha256(engine).hexdigest()} does not match the manifest's "
+            f"{m.sha256}") in str(e.value)
+
+
+def test_whole_digest_catches_a_manifest_pairing_chunks_with_another_sha256(tmp_path):
+    engine = os.urandom(3 * CHUNK)
+    m, entry = publish_chunked(tmp_path, engine)
+    other = hashlib.sha256(b"another engine").hexdigest()
+    _rewrite_manifest(entry, sha256=other)
+    # Pods check the chunks (the manifest is not signed: whoever edits it can edit both);
+    # the build's load check, and sha256sum, see the pairing is wrong.
+    assert bytes(cache.read_verified(entry)[0]) == engine
+    with pytest.raises(cache.CacheIntegrityError, match=f"does not match the manifest's {other}"):
+        cache.read_verified(entry, whole_digest=True)
+
+
 def test_gc_keeps_in_use_and_retention_removes_the_rest(tmp_path):
     t0 = 1_800_000_000.0
     keys = [publish(tmp_path, version=str(v), clock=lambda v=v: t0 + 3600 * v).key

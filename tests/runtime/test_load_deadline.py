@@ -2,7 +2,7 @@
 
 CI cannot hang an NFS read, so `ServedModel`'s reader (cache.read_verified by default) is
 replaced by one that blocks on a threading.Event, in process; in the `kiln serve`
-subprocess, the one place the cache reads engine bytes (cache._read_into) blocks forever.
+subprocess, the one place the cache reads engine bytes (cache._read_at) blocks forever.
 Everything else is real: a built onnxruntime engine, the server, its signal handling.
 """
 
@@ -147,10 +147,10 @@ def test_kiln_serve_refuses_a_load_timeout_that_is_not_positive(tmp_path, value)
 HUNG_WRAPPER = """
 import sys, threading
 from kiln.runtime import cache
-def hung(f, view, on_chunk, chunk):
+def hung(fd, view, offset):
     print("engine read: hung", file=sys.stderr, flush=True)
     threading.Event().wait()
-cache._read_into = hung
+cache._read_at = hung
 from kiln.cli import main
 sys.exit(main())
 """
