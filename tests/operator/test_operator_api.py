@@ -376,7 +376,7 @@ def test_a_build_made_obsolete_by_a_spec_change_is_deleted(api, operator):
                                   old_job["metadata"]["name"] else None)(jobs(api, ns)), 10,
                          "the obsolete Job deleted and the new one created")
     assert request_of(new_job)["model"]["version"] == "2"
-    assert "BuildCancelled" in api.wait(lambda: reasons(api, ns, name), 5)
+    api.wait(lambda: "BuildCancelled" in reasons(api, ns, name), 10, "a BuildCancelled Event")
     index = api.get("ConfigMap", ns, b.ENGINE_INDEX)
     assert index is None or not any(k.startswith(request_of(old_job)["key"]) for k in index.get("data") or {})
 
@@ -416,7 +416,7 @@ def test_an_edit_to_the_runtime_pod_template_is_restored(api, operator):
     c = restored["spec"]["template"]["spec"]["containers"][0]
     assert "env" not in c and c["readinessProbe"] == want["readinessProbe"] and c["args"] == want["args"]
     assert restored["metadata"]["annotations"]["team.example/owner"] == "ml-platform"  # others' annotations stay
-    assert "DriftRestored" in api.wait(lambda: reasons(api, ns, name), 5)
+    api.wait(lambda: "DriftRestored" in reasons(api, ns, name), 10, "a DriftRestored Event")
     # A scale change someone made (autoscaled: the replica count is not Kiln's template) is no drift.
     api.patch("Deployment", ns, b.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
     import time
