@@ -29,7 +29,6 @@ import numpy as np
 
 from kiln import __version__
 from kiln.runtime import grpc_service_pb2 as pb
-from kiln.runtime import grpc_service_pb2_grpc as pb_grpc
 from kiln.runtime import protocol
 from kiln.runtime.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.model import ServedModel
@@ -96,8 +95,11 @@ def _outcome(result: Any) -> str:
     return "success"
 
 
-class GrpcEndpoint(pb_grpc.GRPCInferenceServiceServicer):
-    """The servicer, and the `grpc.aio` server it runs on."""
+SERVICE = "inference.GRPCInferenceService"
+
+
+class GrpcEndpoint:
+    """The service's methods, and the `grpc.aio` server they run on."""
 
     def __init__(self, server: "InferenceServer"):
         self.server = server
@@ -113,7 +115,7 @@ class GrpcEndpoint(pb_grpc.GRPCInferenceServiceServicer):
             # Without this, a second server on a taken port shares it silently.
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self, self._grpc)
+        self._grpc.add_generic_rpc_handlers([self._handlers()])
         address = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
         try:
             bound = self._grpc.add_insecure_port(address)
@@ -125,6 +127,18 @@ class GrpcEndpoint(pb_grpc.GRPCInferenceServiceServicer):
             raise OSError(f"gRPC cannot bind {address}")
         await self._grpc.start()
         return bound
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        """One handler per method of the service in the .proto, each this class's method of
+        that name (so a method the proto adds and this class lacks fails at start)."""
+        service = pb.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
+        methods = {}
+        for method in service.methods:
+            methods[method.name] = grpc.unary_unary_rpc_method_handler(
+                getattr(self, method.name),
+                request_deserializer=getattr(pb, method.input_type.name).FromString,
+                response_serializer=lambda message: message.SerializeToString())
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
 
     async def stop(self) -> None:
         if self._grpc is not None:
