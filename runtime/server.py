@@ -64,7 +64,7 @@ DEFAULT_BODY_TIMEOUT = 60.0
 _OFFLOAD_JSON_BYTES = 1 << 20
 _OFFLOAD_JSON_ELEMENTS = 64 * 1024
 # Bodies and answers larger than this are read and written in chunks of it.
-_WRITE_CHUNK_BYTES = 1 << 20
+_IO_CHUNK_BYTES = 1 << 20
 # Requests that may wait for the decoding worker; beyond, a big JSON request gets 429
 # before its body is read (each waiting one holds its body in memory).
 _OFFLOAD_WAITING = 4
@@ -437,7 +437,7 @@ class InferenceServer:
             headers = {"Content-Type": "application/json"}
         else:
             headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(json_length)}
-        if len(payload) <= _WRITE_CHUNK_BYTES:
+        if len(payload) <= _IO_CHUNK_BYTES:
             return web.Response(body=payload, headers=headers)
         return await _stream(request, payload, headers)
 
@@ -491,12 +491,12 @@ class InferenceServer:
 
     async def _read(self, request: web.Request, limit: int, why: str) -> bytes | bytearray:
         length = request.content_length
-        if length is not None and length <= _WRITE_CHUNK_BYTES:
+        if length is not None and length <= _IO_CHUNK_BYTES:
             return await request.read()  # one read: aiohttp stops at Content-Length
         # A large body is copied once, a chunk at a time, yielding to the loop between
         # chunks: aiohttp's read() joins and copies it whole, three times over.
         buf = bytearray()  # grown in place: a large realloc remaps pages, it does not copy
-        while chunk := await request.content.read(_WRITE_CHUNK_BYTES):
+        while chunk := await request.content.read(_IO_CHUNK_BYTES):
             buf += chunk
             if len(buf) > limit:
                 raise self._too_big(None, limit, why)
@@ -572,8 +572,8 @@ async def _stream(request: web.Request, payload: bytes, headers: dict[str, str]
     response.content_length = len(payload)
     await response.prepare(request)
     view = memoryview(payload)
-    for start in range(0, len(view), _WRITE_CHUNK_BYTES):
-        await response.write(view[start:start + _WRITE_CHUNK_BYTES])
+    for start in range(0, len(view), _IO_CHUNK_BYTES):
+        await response.write(view[start:start + _IO_CHUNK_BYTES])
     await response.write_eof()
     return response
 

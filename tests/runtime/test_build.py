@@ -8,10 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from kiln.runtime import build, cache
 from kiln.runtime.backends import get_backend
@@ -20,19 +17,10 @@ KILN = str(Path(sys.executable).parent / "kiln")
 
 
 @pytest.fixture
-def model(tmp_path) -> Path:
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((8, 4)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "m",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [numpy_helper.from_array(w, "w")])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
+def model(tmp_path, matmul_onnx) -> Path:
     path = tmp_path / "models" / "mlp" / "model.onnx"
     path.parent.mkdir(parents=True)
-    onnx.save(m, path)
+    path.write_bytes(matmul_onnx)
     return path
 
 

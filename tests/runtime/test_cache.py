@@ -500,32 +500,16 @@ def test_the_next_publish_of_a_key_removes_its_dead_temporaries_only(tmp_path):
     assert others.exists() and unlocked.exists()
 
 
-def onnx_engine() -> bytes:
-    """A real engine for the onnxruntime backend (its engines are ONNX models): y = x @ w."""
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
-    w = np.arange(32, dtype=np.float32).reshape(8, 4)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "m",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [numpy_helper.from_array(w, "w")])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m.SerializeToString()
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", [None, *UNTRUSTED])
-async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case):
+async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case, matmul_onnx):
     from kiln.runtime.metrics import ServerMetrics
     from kiln.runtime.model import FAILED, READY, ServedModel
 
     root = tmp_path / "cache"
-    m = publish(root, onnx_engine())
+    m = publish(root, matmul_onnx)
     entry = cache.entry_dir(root, NS, MODEL, m.key)
-    expected = _untrusted(case, tmp_path, entry, onnx_engine()) if case else None
+    expected = _untrusted(case, tmp_path, entry, matmul_onnx) if case else None
     key = inputs("2").key if case == "key-mismatch" else m.key
     model = ServedModel(MODEL, "1", root, {"cpu": cache.relative_path(NS, MODEL, key)},
                         {"batching": {"maxBatchSize": 4}}, ServerMetrics(), target="cpu")

@@ -19,10 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from kiln.runtime.build import BuildRequest, build_engine
 from kiln.runtime.metrics import ServerMetrics
@@ -35,17 +32,9 @@ RUNTIME = {"batching": {"maxBatchSize": 4}}
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, str]:
+def built(tmp_path_factory, matmul_onnx) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("deadline")
-    w = np.arange(32, dtype=np.float32).reshape(8, 4)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "m",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, root / "m.onnx")
+    (root / "m.onnx").write_bytes(matmul_onnx)
     result = build_engine(BuildRequest.from_dict({
         "namespace": "ml", "name": "mlp", "model": {"uri": (root / "m.onnx").as_uri(), "version": "1"},
         "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}), root / "cache",
