@@ -28,6 +28,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from kiln.runtime.protocol import shown
+
 log = logging.getLogger("kiln.runtime.server")
 
 SERVER_HEADER = "kiln"  # not aiohttp's default, which names the Python and aiohttp versions
@@ -195,7 +197,7 @@ def _before_the_app(handle):
     async def handler(request: web.BaseRequest) -> web.StreamResponse:
         expect = request.headers.get("Expect")
         if expect is not None and expect.lower() != "100-continue":
-            return _json_error(417, f"Expect {_short(repr(expect), 64)} is not supported; "
+            return _json_error(417, f"Expect {shown(expect)} is not supported; "
                                     f"only 100-continue is")
         try:
             return await handle(request)
