@@ -244,9 +244,19 @@ def wrk_path() -> str:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process, its threads and its child processes (the
+    front-end workers), from /proc."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -265,12 +275,13 @@ class WrkRun:
 
 
 def _wrk(url: str, body_file: Path, headers: dict[str, str], concurrency: int, seconds: float,
-         script: Path) -> WrkRun:
+         script: Path, threads: int = 1) -> WrkRun:
     """One wrk run of `script` (WRK_SCRIPT)."""
     env = {**os.environ, "KILN_WRK_BODY": str(body_file), "KILN_WRK_TYPE": headers["Content-Type"],
            "KILN_WRK_HEADER_LENGTH": headers.get(HEADER_LENGTH, "")}
-    # One wrk thread is plenty (it is C and event-driven) and leaves the cores to the server.
-    cmd = [wrk_path(), "-t", "1", "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
+    # One wrk thread is plenty for one server process (it is C and event-driven) and leaves
+    # the cores to the server; several front-end processes need more.
+    cmd = [wrk_path(), "-t", str(threads), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s",
            "--timeout", "30s", "-s", str(script), url]
     before = os.times()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
@@ -284,7 +295,7 @@ def _wrk(url: str, body_file: Path, headers: dict[str, str], concurrency: int, s
 
 
 def load(server: "Server", model: Model, concurrency: int, seconds: float, *, binary: bool = True,
-         rows: int = 1, warmup: float = 1.0) -> LoadResult:
+         rows: int = 1, warmup: float = 1.0, threads: int = 1) -> LoadResult:
     """Closed loop with wrk: `concurrency` connections, each sending its next request when the
     previous one is answered, for `seconds` after a warm-up."""
     url = f"{server.url}/v2/models/{model.name}/infer"
@@ -293,9 +304,9 @@ def load(server: "Server", model: Model, concurrency: int, seconds: float, *, bi
         body_file, script = Path(tmp) / "body", Path(tmp) / "post.lua"
         body_file.write_bytes(body)
         script.write_text(WRK_SCRIPT)
-        _wrk(url, body_file, headers, concurrency, warmup, script)
+        _wrk(url, body_file, headers, concurrency, warmup, script, threads)
         before, cpu0 = scrape(server.url, model.name), _cpu_seconds(server.pid)
-        run = _wrk(url, body_file, headers, concurrency, seconds, script)
+        run = _wrk(url, body_file, headers, concurrency, seconds, script, threads)
         cpu1, after = _cpu_seconds(server.pid), scrape(server.url, model.name)
     batches = after["count"] - before["count"]
     return LoadResult(concurrency, run.requests, run.errors, run.seconds, run.p50_us, run.p99_us,

@@ -30,6 +30,7 @@ from kiln.runtime.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION
                                    LABEL_KEY, LABEL_MODEL, LABEL_ROLE, LABEL_TARGET, LABEL_TRACK, MANAGED_BY, PVC_ROOT,
                                    SERVICE_PORT, VERSION)
 from kiln.runtime.contract import GRPC_PORT  # noqa: E402
+from kiln.runtime.contract import FRONT_END_SHM_BYTES, MAX_AUTO_FRONT_END_WORKERS  # noqa: E402
 from kiln.runtime.errors import EXIT_REASONS  # noqa: E402,F401
 
 RUNTIME_PORT_NAME = "http"
@@ -335,6 +336,11 @@ def desired_replicas(spec: Mapping[str, Any]) -> int:
     return replicas
 
 
+def _shm_limit(runtime: Mapping[str, Any]) -> str:
+    workers = int(runtime.get("frontendWorkers") or MAX_AUTO_FRONT_END_WORKERS)
+    return f"{workers * FRONT_END_SHM_BYTES // 2**20}Mi"
+
+
 def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engines: list[EngineRef],
                        results: Mapping[str, Mapping[str, Any]], config: OperatorConfig,
                        include_replicas: bool = True, track: str = STABLE) -> dict[str, Any]:
@@ -383,13 +389,17 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
         "resources": _resources(runtime, first.backend),
         "securityContext": _security_context(),
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR, "readOnly": True},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "shm", "mountPath": "/dev/shm"}],
     }
     pod_spec: dict[str, Any] = {
         "securityContext": _pod_security_context(),
         "containers": [container],
         "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": cache, "readOnly": True}},
-                    {"name": "tmp", "emptyDir": {}}],
+                    {"name": "tmp", "emptyDir": {}},
+                    # The front-end workers' tensors (frontend.py); a container's own /dev/shm
+                    # is 64 MiB. Memory-backed: counted in the pod's memory as it is used.
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _shm_limit(runtime)}}],
         "terminationGracePeriodSeconds": 30,
     }
     for field in ("nodeSelector", "tolerations", "affinity"):

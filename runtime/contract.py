@@ -49,6 +49,13 @@ SERVICE_PORT = 8080
 # The runtime's gRPC endpoint (inference.GRPCInferenceService), beside the HTTP one; the
 # Service's port `grpc` is the same number.
 GRPC_PORT = 8081
+# Shared memory one front-end worker process of a runtime pod uses at most (its requests'
+# tensors, handed to the engine process without a copy); the pod mounts a memory-backed
+# /dev/shm sized for its workers (as many as `auto` may start when the spec sets none),
+# counted in the pod's memory as used.
+FRONT_END_SHM_BYTES = 32 * 1024 * 1024
+MAX_FRONT_END_WORKERS = 64
+MAX_AUTO_FRONT_END_WORKERS = 16
 # `kiln serve --load-timeout-seconds`: how long an engine load may take before the model
 # fails (not ready, with the reason); the operator sets it from the startup-probe budget.
 LOAD_TIMEOUT_SECONDS = 600.0

@@ -231,6 +231,11 @@ class Scheduler:
         return outputs
 
     @property
+    def batches_requests(self) -> bool:
+        """Whether requests are batched together (batching on, an engine that can)."""
+        return self._batch_requests
+
+    @property
     def full(self) -> bool:
         """A request now would be refused Overloaded (a result-cache hit aside)."""
         return self._queued >= self.batching.max_queue_size

@@ -62,6 +62,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--workers", default=os.environ.get("KILN_WORKERS"), metavar="N|auto",
+                        help="front-end processes parsing HTTP in parallel before the one engine "
+                             "(1: a single process); default: KILN_WORKERS, else "
+                             "spec.runtime.frontendWorkers, else auto (the CPU limit less one, "
+                             "1 below 3 CPUs)")
 
 
 def add_grpc_flags(parser: argparse.ArgumentParser, default: int = DEFAULT_GRPC_PORT) -> None:
@@ -120,6 +125,7 @@ def configure_logging(level: str = "INFO") -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.runtime.connections import ConnectionLimits
+    from kiln.runtime.frontend import FrontEndConfig, FrontEnds, cpu_limit, parse_workers
     from kiln.runtime.metrics import ServerMetrics
     from kiln.runtime.model import ServedModel, parse_engines
     from kiln.runtime.server import (InferenceServer, event_loop_choice, run_event_loop,
@@ -143,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         limits = ConnectionLimits(max_connections=args.max_connections,
                                   header_timeout=args.header_timeout_seconds,
                                   keepalive_timeout=args.keepalive_timeout_seconds)
+        workers = parse_workers(args.workers if args.workers is not None
+                                else runtime.get("frontendWorkers"), cpu_limit())
         if not (math.isfinite(args.load_timeout_seconds) and args.load_timeout_seconds > 0):
             raise ValueError(f"--load-timeout-seconds must be a positive number, "
                              f"got {args.load_timeout_seconds:g}")
@@ -156,8 +164,15 @@ def run(args: argparse.Namespace) -> int:
                             runtime, metrics, load_timeout=args.load_timeout_seconds)
         server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
                                  body_timeout=args.body_timeout_seconds, limits=limits)
+        front_ends = None
+        if workers > 1:
+            front_ends = FrontEnds(workers, args.host, args.port, lambda index, hub, port: FrontEndConfig(
+                index=index, hub_path=hub, host=args.host, port=port, model_names=(model.name,),
+                max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout_seconds,
+                limits=limits, drain_seconds=args.drain_seconds, log_level=args.log_level,
+                event_loop=event_loop))
         await run_until_stopped(server, args.host, args.port, args.drain_seconds,
-                                grpc_port=grpc)
+                                grpc_port=grpc, front_ends=front_ends)
 
     try:
         run_event_loop(main(), event_loop)

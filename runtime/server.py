@@ -209,23 +209,25 @@ class InferenceServer:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    async def start(self, host: str = "0.0.0.0", port: int = 8080,
-                    grpc_port: int | None = None) -> str:
-        """Listen (HTTP on `port`, gRPC on `grpc_port` unless None; 0 picks a free one),
-        then load every model in the background. Returns the base URL."""
-        # handler_cancellation: a client that disconnects cancels its handler, and the
-        # scheduler drops the request from its queue instead of computing it for nobody.
-        self._runner = Runner(self.app, self.limits, handler_cancellation=True,
-                              access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound_host, bound_port = self._runner.addresses[0][:2]
+    async def start(self, host: str = "0.0.0.0", port: int | None = 8080,
+                    grpc_port: int | None = None, *, reuse_port: bool = False) -> str | None:
+        """Listen (HTTP on `port` unless None, as when front-end processes serve it; gRPC
+        on `grpc_port` unless None; 0 picks a free one), then load every model in the
+        background. Returns the base URL (None without HTTP here)."""
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.url = f"http://{shown}:{bound_port}"
-        if self.local_only:
-            self._allowed_hosts = _host_names(host, bound_port)
-        log.info("listening on %s:%s", bound_host, bound_port)
+        if port is not None:
+            # handler_cancellation: a client that disconnects cancels its handler, and the
+            # scheduler drops the request from its queue instead of computing it for nobody.
+            self._runner = Runner(self.app, self.limits, handler_cancellation=True,
+                                  access_log=None, shutdown_timeout=1.0)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port or None)
+            await site.start()
+            bound_host, bound_port = self._runner.addresses[0][:2]
+            self.url = f"http://{shown}:{bound_port}"
+            if self.local_only:
+                self._allowed_hosts = _host_names(host, bound_port)
+            log.info("listening on %s:%s", bound_host, bound_port)
         if grpc_port is not None:
             from kiln.runtime.grpc_server import GrpcEndpoint  # grpcio only when serving it
 
@@ -233,8 +235,9 @@ class InferenceServer:
                 self._grpc = GrpcEndpoint(self)
                 bound = await self._grpc.start(host, grpc_port)
             except BaseException:
-                await self._runner.cleanup()
-                self._runner = None
+                if self._runner is not None:
+                    await self._runner.cleanup()
+                    self._runner = None
                 raise
             self.grpc_address = f"{'[' + shown + ']' if ':' in shown else shown}:{bound}"
             log.info("gRPC listening on %s:%s", host or "0.0.0.0", bound)
@@ -388,10 +391,14 @@ class InferenceServer:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-            counters, seconds = self._request_metrics[model.name]
-            if outcome is not None:
-                counters[outcome].inc()
-            seconds.observe(self._clock() - started)
+            self.record(model.name, outcome, self._clock() - started)
+
+    def record(self, model: str, outcome: str | None, seconds: float) -> None:
+        """Count one answered request (outcome None: counted by the scheduler already)."""
+        counters, latency = self._request_metrics[model]
+        if outcome is not None:
+            counters[outcome].inc()
+        latency.observe(seconds)
 
     async def _infer(self, request: web.Request, model: ServedModel,
                      in_scheduler: list[bool]) -> web.Response:
@@ -634,9 +641,11 @@ async def run_until_stopped(server: InferenceServer, host: str, port: int,
                             drain_seconds: float,
                             on_started: Callable[[str], Coroutine[Any, Any, None]] | None = None,
                             stop: asyncio.Event | None = None,
-                            grpc_port: int | None = None) -> bool:
+                            grpc_port: int | None = None, *, reuse_port: bool = False,
+                            front_ends: Any = None) -> bool:
     """Serve until SIGTERM or SIGINT (or `stop` is set), then drain and stop; gRPC too on
-    `grpc_port` unless it is None.
+    `grpc_port` unless it is None. With `front_ends` (`frontend.FrontEnds`), HTTP is
+    served by its worker processes, which drain first.
 
     `on_started(url)` runs as a task once the server listens. Returns what
     `InferenceServer.shutdown` returns.
@@ -653,12 +662,20 @@ async def run_until_stopped(server: InferenceServer, host: str, port: int,
             # run in a thread (tests, benchmarks) is stopped through `stop` instead.
             continue
     try:
-        url = await server.start(host, port, grpc_port)
+        if front_ends is None:
+            url = await server.start(host, port, grpc_port, reuse_port=reuse_port)
+        else:
+            url = await front_ends.start(server, grpc_port)
         task = asyncio.create_task(on_started(url)) if on_started else None
         await stop.wait()
         log.info("stop requested")
         if task is not None and not task.done():
             task.cancel()
+        if front_ends is not None:
+            started = time.monotonic()
+            server.draining = True  # gRPC here refuses new work while the workers drain
+            await front_ends.stop(drain_seconds)
+            drain_seconds = max(0.0, drain_seconds - (time.monotonic() - started))
         return await server.shutdown(drain_seconds)
     finally:
         for sig in handled:

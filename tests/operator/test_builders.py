@@ -230,7 +230,17 @@ class TestRuntimeDeployment:
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["cache"]["persistentVolumeClaim"] == {"claimName": "kiln-engine-cache", "readOnly": True}
         assert vols["tmp"] == {"name": "tmp", "emptyDir": {}}
+        # The front-end workers' shared memory: 32 MiB for each of up to 16 (auto).
+        assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert vols["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "512Mi"}
         assert c["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+
+    def test_front_end_workers_reach_the_pod(self):
+        dep, _ = self.deployment(runtime={"frontendWorkers": 6})
+        pod = dep["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert json.loads(args[args.index("--runtime-spec") + 1])["frontendWorkers"] == 6
+        assert {v["name"]: v for v in pod["volumes"]}["shm"]["emptyDir"]["sizeLimit"] == "192Mi"
 
     def test_labels_annotations_selector(self):
         dep, [e] = self.deployment()

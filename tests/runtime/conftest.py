@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -20,8 +21,11 @@ class KilnProcess:
     arrives, so a test can wait for a line."""
 
     def __init__(self, args: list[str], cwd: Path, command: tuple[str, ...] = (str(KILN),)):
+        # One process unless a test asks for front-end workers (`--workers`): the default
+        # follows the machine's CPUs, and the tests' expectations should not.
+        env = {**os.environ, "KILN_WORKERS": os.environ.get("KILN_WORKERS", "1")}
         self.proc = subprocess.Popen([*command, *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=cwd)
+                                     stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

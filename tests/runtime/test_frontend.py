@@ -1,0 +1,280 @@
+"""`kiln serve --workers N`: front-end processes in front of one engine process.
+
+Real `kiln serve` processes on loopback, a real engine built into a real cache, real HTTP;
+every answer is compared with ONNX Runtime run directly, and with what the single process
+answers for the same bad request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.runtime.frontend import default_workers, parse_workers
+from kiln.runtime.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
+
+from .test_server import NAME, Built, ServerThread, assert_matches, json_inputs, sample
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    return Built(tmp_path_factory.mktemp("frontend"))
+
+
+def serve(kiln_process, built: Built, tmp_path: Path, workers: int, runtime: dict | None = None,
+          *extra: str):
+    p = kiln_process(["serve", "--model-name", NAME, "--cache-dir", str(built.cache),
+                      "--engine", f"cpu={built.rel}", "--host", "127.0.0.1", "--port", "0",
+                      "--no-grpc", "--workers", str(workers), "--drain-seconds", "10",
+                      "--runtime-spec", json.dumps(runtime or {}), *extra], tmp_path)
+    if workers > 1:
+        port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
+    else:
+        port = int(p.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    client = ServerThread.__new__(ServerThread)  # only its HTTP client half
+    client.port = port
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if client.get("/v2/health/ready")[0] == 200:
+                break
+        except OSError:
+            pass  # the front ends are not listening yet
+        assert time.monotonic() < deadline, "\n".join(p.lines)
+        time.sleep(0.05)
+    return p, client
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def front_ends(pid: int) -> list[int]:
+    """The engine's front-end processes (multiprocessing's resource tracker aside)."""
+    return [c for c in children(pid)
+            if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+
+
+def test_workers_default_to_the_cpu_limit_less_the_engines_core():
+    assert [default_workers(c) for c in (None, 1, 2, 2.5, 3, 4, 16, 64)] == [1, 1, 1, 1, 2, 3, 15, 16]
+    assert parse_workers("auto", 8) == parse_workers(None, 8) == 7
+    assert parse_workers("3", 1) == 3
+    for bad in ("0", "65", "two"):
+        with pytest.raises(ValueError, match="workers must be a number from 1 to 64 or 'auto'"):
+            parse_workers(bad, 4)
+
+
+def test_front_ends_answer_as_the_single_process_does(built, tmp_path, kiln_process):
+    p, client = serve(kiln_process, built, tmp_path, 2)
+    try:
+        assert len(front_ends(p.proc.pid)) == 2
+        # JSON and binary tensors, many at once over many connections: batched together
+        # in the one engine, each answer the right one.
+        def one(i: int):
+            inputs = sample(1 + i % 4, seed=i)
+            if i % 2:
+                status, _, doc = client.infer({"inputs": json_inputs(inputs)})
+                outputs = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in doc["outputs"]}
+                outputs = {k: v.astype(built.expected(inputs)[k].dtype) for k, v in outputs.items()}
+            else:
+                body, n = encode_infer_request(inputs, binary=True, binary_outputs=True)
+                status, headers, raw = client.request(
+                    "POST", f"/v2/models/{NAME}/infer", body,
+                    {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(n)})
+                doc = decode_infer_response(raw, int(headers[HEADER_LENGTH]))
+                outputs = {o["name"]: o["data"] for o in doc["outputs"]}
+            assert status == 200, doc
+            assert_matches(outputs, built.expected(inputs))
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(200)))
+
+        status, _, meta = client.get(f"/v2/models/{NAME}")
+        assert status == 200 and meta["platform"] == "onnxruntime"
+        assert [i["name"] for i in meta["inputs"]] == ["features", "token_ids"]
+        # Request metrics are the engine's, front ends' outcomes included.
+        deadline = time.monotonic() + 5
+        while client.metric("kiln_requests_total", model=NAME, outcome="success") != 200:
+            assert time.monotonic() < deadline, client.metric("kiln_requests_total", model=NAME,
+                                                              outcome="success")
+            time.sleep(0.1)
+        assert client.metric("kiln_batch_size_count", model=NAME) >= 1
+        bad = [{"inputs": [{"name": "features", "shape": [1, 5], "datatype": "FP32",
+                            "data": [0.0] * 5}]},
+               {"inputs": json_inputs(sample(40))},  # over maxBatchSize... or the profile
+               b"{not json"]
+        with_workers = [client.infer(doc) for doc in bad]
+        assert client.get("/v2/models/nope")[0] == 404
+    finally:
+        assert p.stop() == 0
+
+    p, single = serve(kiln_process, built, tmp_path, 1)
+    try:
+        alone = [single.infer(doc) for doc in bad]
+    finally:
+        p.stop()
+    assert [(s, d) for s, _, d in with_workers] == [(s, d) for s, _, d in alone]
+    assert all(s == 400 for s, _, _ in alone)
+
+
+def wide_model(width: int) -> bytes:
+    """y = -x for x [batch, width] float32: a row of it is width * 4 bytes each way."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
+    """A request larger than a slot, and more requests in flight than a front end has
+    slots: answered like the others, through the socket."""
+    from kiln.runtime.build import BuildRequest, build_engine
+
+    width = 65536  # 256 KiB a row: a 1 MiB slot holds 2 rows in and out
+    (tmp_path / "m.onnx").write_bytes(wide_model(width))
+    rel = build_engine(BuildRequest.from_dict({
+        "namespace": "default", "name": "mm", "target": "cpu",
+        "model": {"uri": (tmp_path / "m.onnx").as_uri(), "version": "1"},
+        "engine": {"backend": "onnxruntime", "precision": "fp32"}}),
+        tmp_path / "cache", allow_local_files=True).path
+    runtime = {"batching": {"maxBatchSize": 512, "maxQueueDelayMicroseconds": 300_000}}
+    p = kiln_process(["serve", "--model-name", "mm", "--cache-dir", str(tmp_path / "cache"),
+                      "--engine", f"cpu={rel}", "--host", "127.0.0.1", "--port", "0",
+                      "--no-grpc", "--workers", "2", "--runtime-spec", json.dumps(runtime)],
+                     tmp_path)
+    try:
+        client = ServerThread.__new__(ServerThread)
+        client.port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if client.get("/v2/health/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "\n".join(p.lines)
+            time.sleep(0.05)
+
+        def one(rows: int, seed: int):
+            x = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
+            body, n = encode_infer_request({"x": x}, binary=True, binary_outputs=True)
+            status, headers, raw = client.request(
+                "POST", "/v2/models/mm/infer", body,
+                {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(n)})
+            assert status == 200, raw[:300]
+            (out,) = decode_infer_response(raw, int(headers[HEADER_LENGTH]))["outputs"]
+            np.testing.assert_array_equal(out["data"], -x)
+
+        one(5, 1)  # 1.3 MB each way, over a 1 MiB slot
+        with ThreadPoolExecutor(120) as pool:  # ~60 per front end in the queue, 32 slots each
+            list(pool.map(lambda i: one(1, i), range(120)))
+    finally:
+        assert p.stop() == 0
+
+
+def test_the_result_cache_is_shared_by_every_front_end(built, tmp_path, kiln_process):
+    p, client = serve(kiln_process, built, tmp_path, 2, {"resultCache": {"enabled": True}})
+    try:
+        def lookups(result: str) -> float:
+            return client.metric("kiln_result_cache_requests_total", model=NAME, result=result)
+
+        misses = lookups("miss")  # the warm-up's
+        inputs = sample(3, seed=9)
+        for _ in range(12):  # a new connection each: the kernel spreads them over both
+            status, _, doc = client.infer({"inputs": json_inputs(inputs)})
+            assert status == 200, doc
+        assert (lookups("miss") - misses, lookups("hit")) == (1, 11)
+    finally:
+        assert p.stop() == 0
+
+
+def test_sigterm_drains_every_front_end_then_the_engine(built, tmp_path, kiln_process):
+    runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 1_500_000}}
+    p, client = serve(kiln_process, built, tmp_path, 2, runtime)
+    pids = front_ends(p.proc.pid)
+    inputs = sample(2, seed=5)
+    results = []
+    senders = [threading.Thread(target=lambda: results.append(
+        client.infer({"inputs": json_inputs(inputs)}))) for _ in range(4)]
+    for s in senders:
+        s.start()
+    time.sleep(0.5)  # in the engine's batching queue (1.5 s delay)
+    p.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    # While draining, a front end refuses new work the way the single process does.
+    try:
+        status, headers, doc = client.infer({"inputs": json_inputs(sample(1))})
+        assert status == 503 and "Retry-After" in headers, doc
+        assert doc["error"] == "the server is shutting down; retry on another replica"
+    except ConnectionError:
+        pass  # a front end with nothing in flight may have finished already
+    for s in senders:
+        s.join(15)
+    assert [r[0] for r in results] == [200] * 4, results
+    for status, _, doc in results:
+        outputs = {o["name"]: o["data"] for o in decode_infer_response(
+            json.dumps(doc).encode(), None)["outputs"]}
+        assert_matches(outputs, built.expected(inputs))
+    assert p.proc.wait(20) == 0
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_a_front_end_that_dies_is_replaced(built, tmp_path, kiln_process):
+    p, client = serve(kiln_process, built, tmp_path, 2)
+    try:
+        first = front_ends(p.proc.pid)
+        os.kill(first[0], signal.SIGKILL)
+        p.wait_for(r"front end \d exited \(code -9\); starting it again", timeout=10)
+        deadline = time.monotonic() + 30
+        while len(set(front_ends(p.proc.pid)) - set(first)) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for i in range(20):  # every connection lands on a live front end
+            status, _, doc = client.infer({"inputs": json_inputs(sample(1, seed=i))})
+            assert status == 200, doc
+    finally:
+        assert p.stop() == 0
+
+
+def test_front_ends_stop_when_the_engine_is_killed(built, tmp_path, kiln_process):
+    p, client = serve(kiln_process, built, tmp_path, 2)
+    pids = front_ends(p.proc.pid)
+    assert len(pids) == 2
+    p.proc.kill()
+    p.proc.wait(5)
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "front ends outlived their engine"
+        time.sleep(0.1)
