@@ -263,6 +263,8 @@ class EngineHub:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        # Messages are pickles, so only this pod's own processes may connect: the socket
+        # is in a directory only this user can enter (FrontEnds' 0700 temporary one).
         self._listener = await loop.create_unix_server(lambda: _EngineSide(self).channel,
                                                         self.path)
         os.chmod(self.path, 0o600)
@@ -277,10 +279,6 @@ class EngineHub:
                 self.state = state
                 for link in list(self._links):
                     link.channel.send(("state", state))
-
-    @property
-    def inflight(self) -> int:
-        return sum(len(link.tasks) for link in self._links)
 
     async def stop(self) -> None:
         if self._pusher is not None:

@@ -31,12 +31,17 @@ def built(tmp_path_factory) -> Built:
     return Built(tmp_path_factory.mktemp("frontend"))
 
 
-def serve(kiln_process, built: Built, tmp_path: Path, workers: int, runtime: dict | None = None,
-          *extra: str):
-    p = kiln_process(["serve", "--model-name", NAME, "--cache-dir", str(built.cache),
-                      "--engine", f"cpu={built.rel}", "--host", "127.0.0.1", "--port", "0",
-                      "--no-grpc", "--workers", str(workers), "--drain-seconds", "10",
-                      "--runtime-spec", json.dumps(runtime or {}), *extra], tmp_path)
+def serve(kiln_process, built: Built, tmp_path: Path, workers: int, runtime: dict | None = None):
+    return start(kiln_process, tmp_path, workers, [
+        "--model-name", NAME, "--cache-dir", str(built.cache), "--engine", f"cpu={built.rel}",
+        "--runtime-spec", json.dumps(runtime or {})])
+
+
+def start(kiln_process, tmp_path: Path, workers: int, args: list[str]):
+    """`kiln serve ARGS` on a free loopback port with `workers`; returns it and a client
+    once it is ready."""
+    p = kiln_process(["serve", *args, "--host", "127.0.0.1", "--port", "0", "--no-grpc",
+                      "--workers", str(workers), "--drain-seconds", "10"], tmp_path)
     if workers > 1:
         port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
     else:
@@ -158,8 +163,9 @@ def wide_model(width: int) -> bytes:
 
 
 def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
-    """A request larger than a slot, and more requests in flight than a front end has
-    slots: answered like the others, through the socket."""
+    """A request larger than a slot, and many at once (joined into hand-overs larger than
+    a slot, or more than a front end has slots): answered like the others, through the
+    socket."""
     from kiln.runtime.build import BuildRequest, build_engine
 
     width = 65536  # 256 KiB a row: a 1 MiB slot holds 2 rows in and out
@@ -170,23 +176,10 @@ def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
         "engine": {"backend": "onnxruntime", "precision": "fp32"}}),
         tmp_path / "cache", allow_local_files=True).path
     runtime = {"batching": {"maxBatchSize": 512, "maxQueueDelayMicroseconds": 300_000}}
-    p = kiln_process(["serve", "--model-name", "mm", "--cache-dir", str(tmp_path / "cache"),
-                      "--engine", f"cpu={rel}", "--host", "127.0.0.1", "--port", "0",
-                      "--no-grpc", "--workers", "2", "--runtime-spec", json.dumps(runtime)],
-                     tmp_path)
+    p, client = start(kiln_process, tmp_path, 2, [
+        "--model-name", "mm", "--cache-dir", str(tmp_path / "cache"), "--engine", f"cpu={rel}",
+        "--runtime-spec", json.dumps(runtime)])
     try:
-        client = ServerThread.__new__(ServerThread)
-        client.port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.get("/v2/health/ready")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "\n".join(p.lines)
-            time.sleep(0.05)
-
         def one(rows: int, seed: int):
             x = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
             body, n = encode_infer_request({"x": x}, binary=True, binary_outputs=True)
@@ -198,7 +191,7 @@ def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
             np.testing.assert_array_equal(out["data"], -x)
 
         one(5, 1)  # 1.3 MB each way, over a 1 MiB slot
-        with ThreadPoolExecutor(120) as pool:  # ~60 per front end in the queue, 32 slots each
+        with ThreadPoolExecutor(120) as pool:  # ~60 per front end at once, 32 slots each
             list(pool.map(lambda i: one(1, i), range(120)))
     finally:
         assert p.stop() == 0
