@@ -20,14 +20,17 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.__main__ import machine
-from benchmarks.serving import (DEMO_ONNX, TUNED, Model, build, check_answer, load,
-                                runtime_spec, serving, wrk_path)
+from benchmarks.serving import (CEILING_SIZES, DEMO_ONNX, TUNED, WIDTH, Model, build,
+                                ceiling, check_answer, compute_model, load, runtime_spec,
+                                serving, wrk_path)
 
 CONCURRENCY = 256
 REPEATS = 3  # each point's median: one run's rate moves with whatever else the host runs
 # Cores kept for what is not a front end: the engine process (its loop and ONNX Runtime's
 # one thread) and wrk's threads.
 ENGINE_CORES = 1
+# The MLP's engine threads, where the machine has the cores for front ends beside them.
+MLP_THREADS = 4
 
 
 def _plan(cores: int) -> tuple[int, list[int]]:
@@ -59,6 +62,7 @@ def run(quick: bool) -> str:
                                   key=lambda r: r.throughput)
                     rows.append((workers, "binary" if binary else "JSON", runs[len(runs) // 2]))
             print(f"   {workers} worker(s) done", file=sys.stderr, flush=True)
+        mlp = _mlp_against_ceiling(workdir, cores, wrk_threads, seconds, repeats) if counts else None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -85,4 +89,35 @@ def run(quick: bool) -> str:
     if not counts:
         out += ["", f"No worker count above 1 fits {cores} cores beside the engine and wrk: "
                     "scaling is measured on a larger machine (docs/benchmarks.md says where)."]
+    if mlp is not None:
+        out += ["", *mlp]
     return "\n".join(out)
+
+
+def _mlp_against_ceiling(workdir: Path, cores: int, wrk_threads: int, seconds: float,
+                         repeats: int) -> list[str]:
+    """The serving benchmark's MLP, binary, one row per request: the single process and
+    front ends against ONNX Runtime's in-process ceiling with the same threads."""
+    mlp = Model("mlp2048", compute_model(workdir / "mlp2048.onnx"), "x", WIDTH)
+    build(mlp, workdir / "cache")
+    threads = MLP_THREADS
+    workers = max(1, cores - ENGINE_CORES - threads - wrk_threads)
+    spec = runtime_spec(TUNED)
+    best: dict[int, object] = {}
+    for n in (1, workers):
+        with serving(mlp, workdir / "cache", spec, threads, workdir,
+                     extra_args=("--workers", str(n), "--no-grpc")) as srv:
+            check_answer(srv.url, mlp)
+            runs = sorted((load(srv, mlp, 256, seconds, threads=wrk_threads)
+                           for _ in range(repeats)), key=lambda r: r.throughput)
+            best[n] = runs[len(runs) // 2]
+    top = ceiling(mlp, threads, CEILING_SIZES, 1.0)
+    size, rate = top.best
+    lines = [f"mlp2048 (4 x 2048 MatMul + Relu), binary, one row per request, 256 connections, "
+             f"ONNX Runtime {threads} threads, against the backend in-process with the same "
+             f"threads at its best batch ({size}: {rate:,.0f} rows/s); target >= 70%:", "",
+             "| workers | rows/s | of the ceiling | p99 | mean batch |", "| --- | --- | --- | --- | --- |"]
+    for n, r in best.items():
+        lines.append(f"| {n} | {r.rows_per_second:,.0f} | {r.rows_per_second / rate:.0%} | "
+                     f"{r.p99_us / 1e3:.1f} ms | {r.mean_batch or 0:.1f} |")
+    return lines
