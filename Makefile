@@ -88,6 +88,8 @@ bench-tools:
 	@command -v wrk >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }
 
+# benchmarks/peers.py installs its peers (MLServer, KServe) from PyPI into
+# .tools/bench-peers/<peer>-<version>/ on its first run, once.
 bench: install tools controlplane monitoring-tools bench-tools
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 

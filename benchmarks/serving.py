@@ -128,6 +128,46 @@ class Server:
 
 
 @contextmanager
+def started(cmd: list[str], ready_url: str, log_path: Path, *, env: dict[str, str] | None = None,
+            cwd: Path | None = None, what: str = "kiln serve", timeout: float = 120,
+            own_group: bool = False) -> Iterator[subprocess.Popen]:
+    """`cmd` in a subprocess (output to `log_path`) until `ready_url` answers 200; SIGTERM on
+    exit. `own_group`: the process leads a new process group, and whatever is left of the
+    group after it exits is killed (a server with worker processes)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=own_group)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}:\n"
+                                   f"{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(ready_url, timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not ready after {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if own_group:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@contextmanager
 def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int,
             log_dir: Path, spinning: bool | None = None,
             extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
@@ -143,32 +183,9 @@ def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int
         "--engine", f"cpu={model.rel}", "--runtime-spec", json.dumps(runtime),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
         "--drain-seconds", "2", *extra_args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_dir)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kiln serve exited with {proc.returncode}:\n"
-                                   f"{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kiln serve not ready after 120 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
+    with started(cmd, f"{url}/v2/health/ready", log_path, env=env, cwd=log_dir) as proc:
         yield Server(url, proc.pid)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def scrape(url: str, model: str) -> dict[str, float]:
@@ -294,16 +311,23 @@ def _wrk(url: str, body_file: Path, headers: dict[str, str], concurrency: int, s
     return WrkRun(n, duration_us / 1e6, status, sockets, float(p50), float(p99), cpu)
 
 
+@contextmanager
+def wrk_files(body: bytes) -> Iterator[tuple[Path, Path]]:
+    """A temporary body file and WRK_SCRIPT, for `_wrk`."""
+    with tempfile.TemporaryDirectory(prefix="kiln-wrk-") as tmp:
+        body_file, script = Path(tmp) / "body", Path(tmp) / "post.lua"
+        body_file.write_bytes(body)
+        script.write_text(WRK_SCRIPT)
+        yield body_file, script
+
+
 def load(server: "Server", model: Model, concurrency: int, seconds: float, *, binary: bool = True,
          rows: int = 1, warmup: float = 1.0, threads: int = 1) -> LoadResult:
     """Closed loop with wrk: `concurrency` connections, each sending its next request when the
     previous one is answered, for `seconds` after a warm-up."""
     url = f"{server.url}/v2/models/{model.name}/infer"
     body, headers = request_body(model, rows, binary)
-    with tempfile.TemporaryDirectory(prefix="kiln-wrk-") as tmp:
-        body_file, script = Path(tmp) / "body", Path(tmp) / "post.lua"
-        body_file.write_bytes(body)
-        script.write_text(WRK_SCRIPT)
+    with wrk_files(body) as (body_file, script):
         _wrk(url, body_file, headers, concurrency, warmup, script, threads)
         before, cpu0 = scrape(server.url, model.name), _cpu_seconds(server.pid)
         run = _wrk(url, body_file, headers, concurrency, seconds, script, threads)
