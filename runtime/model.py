@@ -368,6 +368,11 @@ class ServedModel:
             spec, self.name, engine_key, self._submit, self.engine.inputs, self.engine.outputs,
             store=store, namespace=os.environ.get(NAMESPACE_ENV) or None, clock=self._clock)
         self.sequences.start()
+        manager = self.sequences
+        self.metrics.sequences_live.labels(model=self.name).set_function(
+            lambda: manager.live_sequences)
+        self.metrics.sequence_state_bytes.labels(model=self.name).set_function(
+            lambda: manager.live_bytes)
 
     def _read(self, entry: str):
         from kiln.runtime import cache

@@ -358,6 +358,16 @@ async def test_redis_store_compare_and_set_and_ttl(redis_server):
         assert await store.delete("kiln:seq:t", b"y" * 32) == sq.CONFLICT
         assert await store.delete("kiln:seq:t", state.token) == sq.OK
         assert await store.get("kiln:seq:t") is None
+        # A large value takes WATCH + MULTI/EXEC instead of the script: the same verdicts.
+        big = sq.StoredState("k", 1, "00000000000000bb", {"h": np.ones((1, 100_000), np.float32)})
+        blob = sq.encode_state(big, "m")
+        assert len(blob) > sq._SCRIPT_MAX_BYTES
+        assert await store.put("kiln:seq:big", blob, None, 60_000) == sq.OK
+        assert await store.put("kiln:seq:big", blob, None, 60_000) == sq.CONFLICT
+        assert await store.put("kiln:seq:big", blob, b"x" * 32, 60_000) == sq.CONFLICT
+        assert await store.put("kiln:seq:nope", blob, big.token, 60_000) == sq.MISSING
+        assert await store.put("kiln:seq:big", blob, big.token, 60_000) == sq.OK
+        assert await store.get("kiln:seq:big") == blob
         # Expiry is Redis's own TTL (the idle timeout, in ms).
         assert await store.put("kiln:seq:short", blob, None, 300) == sq.OK
         await asyncio.sleep(0.5)
@@ -538,6 +548,12 @@ def test_http_and_grpc_sequences_on_a_server(engines, redis_server, ort_ar):
         assert [o["name"] for o in meta["outputs"]] == ["logits", "next_token"]
         got, _ = generate(served.port, 11, 3, 0, 6)
         assert same(got, reference_autoregressive(ort_ar, 3, 6))
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+        assert 'kiln_sequences_live{model="ar"} 1.0' in metrics
+        assert 'kiln_sequence_state_bytes{model="ar"} 64.0' in metrics
 
         status, headers, doc = ar_step(served.port, 99, 1)
         assert status == 404 and "no such sequence '99'" in doc["error"]
@@ -631,8 +647,8 @@ def test_bounds_over_http_are_429_with_the_reason(engines):
 
 # ------------------------------------------------------------------ SIGTERM midway, another pod
 
-def serve(kiln_process, root: Path, rel: str, runtime: dict, tmp_path: Path):
-    p = kiln_process(["serve", "--model-name", "ar", "--cache-dir", str(root / "cache"),
+def serve(kiln_process, root: Path, name: str, rel: str, runtime: dict, tmp_path: Path):
+    p = kiln_process(["serve", "--model-name", name, "--cache-dir", str(root / "cache"),
                       "--engine", f"cpu={rel}", "--runtime-spec", json.dumps(runtime),
                       "--host", "127.0.0.1", "--port", "0", "--no-grpc",
                       "--drain-seconds", "5"], tmp_path)
@@ -644,22 +660,56 @@ def serve(kiln_process, root: Path, rel: str, runtime: dict, tmp_path: Path):
     return p, port
 
 
+def rnn_x(i: int) -> np.ndarray:
+    return np.random.default_rng(1000 + i).standard_normal((1, 8)).astype(np.float32)
+
+
+def drive(port, name, seq, first, last, carry):
+    """Steps first..last-1 of a sequence of either model; `carry` is the autoregressive
+    model's next input token (the RNN's inputs are fixed per step)."""
+    if name == "ar":
+        return generate(port, seq, carry, first, last)
+    out = []
+    for i in range(first, last):
+        status, _, doc = post(port, "rnn", {"x": rnn_x(i)}, params(seq, start=(i == 0)))
+        assert status == 200, doc
+        out.append((doc["y"],))
+    return out, carry
+
+
+def reference_run(name, steps):
+    import onnxruntime as ort
+
+    if name == "ar":
+        session = ort.InferenceSession(autoregressive_model(), providers=["CPUExecutionProvider"])
+        return reference_autoregressive(session, 5, steps)
+    session = ort.InferenceSession(rnn_model(), providers=["CPUExecutionProvider"])
+    h = np.zeros((1, 32), dtype=np.float32)
+    out = []
+    for i in range(steps):
+        h, y = session.run(["h_next", "y"], {"x": rnn_x(i), "h": h})
+        out.append((y,))
+    return out
+
+
 @needs_redis
-@pytest.mark.parametrize("steps,cut", [(40, 17)])
+@pytest.mark.parametrize("name,states,steps,cut", [("ar", AR_STATES, 40, 17),
+                                                   ("rnn", RNN_STATES, 25, 9)])
 def test_sigterm_midway_and_another_pod_continues_bit_for_bit(engines, redis_server, tmp_path,
-                                                              kiln_process, ort_ar, steps, cut):
+                                                              kiln_process, name, states,
+                                                              steps, cut):
     root, rels = engines
-    runtime = {"sequences": {"states": AR_STATES, "store": {"type": "redis",
-                                                           "address": redis_server.address}}}
-    first, port = serve(kiln_process, root, rels["ar"], runtime, tmp_path)
-    uninterrupted, _ = generate(port, "whole", 5, 0, steps)
-    head, token = generate(port, "cut", 5, 0, cut)
+    runtime = {"sequences": {"states": states, "store": {"type": "redis",
+                                                        "address": redis_server.address}}}
+    first, port = serve(kiln_process, root, name, rels[name], runtime, tmp_path)
+    uninterrupted, _ = drive(port, name, "whole", 0, steps, 5)
+    head, carry = drive(port, name, "cut", 0, cut, 5)
     first.proc.send_signal(signal.SIGTERM)
     assert first.proc.wait(15) == 0
     assert any("sequences closed" in line for line in first.lines), "\n".join(first.lines)
 
-    second, port = serve(kiln_process, root, rels["ar"], runtime, tmp_path)
-    tail, _ = generate(port, "cut", token, cut, steps)
+    second, port = serve(kiln_process, root, name, rels[name], runtime, tmp_path)
+    tail, _ = drive(port, name, "cut", cut, steps, carry)
     assert same(head + tail, uninterrupted)
-    assert same(uninterrupted, reference_autoregressive(ort_ar, 5, steps))
+    assert same(uninterrupted, reference_run(name, steps))
     second.stop()
