@@ -334,7 +334,8 @@ def _load_check(backend, entry, clock: Callable[[], float], log: Log,
         if sequence_states:
             from kiln.runtime.sequences import check_pairs
 
-            problems = check_pairs(sequence_states, engine.inputs, engine.outputs)
+            inputs = list(engine.inputs) + list(getattr(engine, "defaults", ()))
+            problems = check_pairs(sequence_states, inputs, engine.outputs)
             if problems:
                 raise BadRequest("; ".join(problems))
     finally:

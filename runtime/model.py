@@ -348,7 +348,7 @@ class ServedModel:
             raise ModelLoadError(str(e)) from None
         if spec is None:
             return None
-        problems = sequences.check_pairs(spec.states, self.engine.inputs, self.engine.outputs)
+        problems = sequences.check_pairs(spec.states, self._engine_inputs(), self.engine.outputs)
         if problems:
             raise ModelLoadError("; ".join(problems))
         self._state_tensors = spec.state_inputs | spec.state_outputs
@@ -365,14 +365,19 @@ class ServedModel:
         # Not connected yet: a store that is down fails sequence requests (503), never the
         # model's readiness or its stateless requests.
         self.sequences = sequences.SequenceManager(
-            spec, self.name, engine_key, self._submit, self.engine.inputs, self.engine.outputs,
-            store=store, namespace=os.environ.get(NAMESPACE_ENV) or None, clock=self._clock)
+            spec, self.name, engine_key, self._submit, self._engine_inputs(), self.engine.outputs,
+            store=store, namespace=os.environ.get(NAMESPACE_ENV) or None, clock=self._clock,
+            initial=getattr(self.engine, "default_values", None))
         self.sequences.start()
         manager = self.sequences
         self.metrics.sequences_live.labels(model=self.name).set_function(
             lambda: manager.live_sequences)
         self.metrics.sequence_state_bytes.labels(model=self.name).set_function(
             lambda: manager.live_bytes)
+
+    def _engine_inputs(self) -> list[TensorSpec]:
+        """Every input the engine takes: those it needs, and those it has a default for."""
+        return list(self.engine.inputs) + list(getattr(self.engine, "defaults", ()))
 
     def _read(self, entry: str):
         from kiln.runtime import cache

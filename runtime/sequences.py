@@ -5,8 +5,8 @@ A model whose state is an explicit input and output (an RNN's hidden state, a tr
 KV cache as `past_*` inputs and `present_*` outputs) is stepped one request at a time. The
 client sends Triton's sequence parameters (`sequence_id`, `sequence_start`, `sequence_end`
 in the request's `parameters`) and the model's other inputs; a step feeds the stored state
-(zeros at the start), runs the model, stores the returned state and answers the other
-outputs. The state tensors are not the client's: they are not in the model's metadata and
+(at the start the model's declared initial state, an input's default value, else zeros),
+runs the model, stores the returned state and answers the other outputs. The state tensors are not the client's: they are not in the model's metadata and
 a request cannot send or ask for them.
 
     request --> SequenceManager.step(inputs, parameters, tenant)
@@ -654,7 +654,8 @@ class SequenceManager:
     def __init__(self, spec: SequenceSpec, model: str, engine_key: str, infer: Infer,
                  inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], *,
                  store: SequenceStore | None = None, namespace: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 initial: Mapping[str, np.ndarray] | None = None):
         problems = check_pairs(spec.states, inputs, outputs)
         if problems:
             raise ValueError("; ".join(problems))
@@ -664,6 +665,9 @@ class SequenceManager:
         self._infer = infer
         self._inputs = {s.name: s for s in inputs}
         self._pairs = dict(spec.states)  # state input -> state output
+        # The model's declared initial state (an input's default value), else zeros.
+        self._initial_values = {k: np.ascontiguousarray(v) for k, v in (initial or {}).items()
+                                if k in self._pairs}
         self.store = store
         self._prefix = f"kiln:seq:{namespace + '/' if namespace else ''}{model}:"
         self._clock = clock
@@ -891,7 +895,8 @@ class SequenceManager:
                                 retry_after=min(self.spec.idle_timeout, 60.0)) from None
 
     def _initial(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Zeros of each state input's shape: a dynamic dimension 0 is the request's batch,
+        """The model's declared initial state where it has one (the input's default value),
+        else zeros of each state input's shape: a dynamic dimension 0 is the request's batch,
         other dynamic dimensions start empty (0: no past yet, the KV-cache convention)."""
         batch = 1
         for name, array in inputs.items():
@@ -901,6 +906,9 @@ class SequenceManager:
                 break
         out = {}
         for name in self._pairs:
+            if name in self._initial_values:
+                out[name] = self._initial_values[name]
+                continue
             spec = self._inputs[name]
             shape = [d if d >= 0 else (batch if i == 0 else 0) for i, d in enumerate(spec.shape)]
             out[name] = np.zeros(shape, dtype=DATATYPES[spec.datatype])

@@ -65,7 +65,10 @@ def autoregressive_model(hidden: int = 16, vocab: int = 11, seed: int = 0) -> by
     return _model(graph)
 
 
-def rnn_model(inputs: int = 8, hidden: int = 32, seed: int = 1, batch: int | str = 1) -> bytes:
+def rnn_model(inputs: int = 8, hidden: int = 32, seed: int = 1, batch: int | str = 1,
+              initial_h: float | None = None) -> bytes:
+    """`initial_h`: `h` also gets an initializer of this value, the model's declared initial
+    state (ONNX: a graph input with a default)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -81,6 +84,8 @@ def rnn_model(inputs: int = 8, hidden: int = 32, seed: int = 1, batch: int | str
         helper.make_node("Tanh", ["pre"], ["h_next"]),
         helper.make_node("MatMul", ["h_next", "V"], ["y"]),
     ]
+    if initial_h is not None:
+        weights["h"] = np.full((1, hidden), initial_h, dtype=np.float32)
     graph = helper.make_graph(
         nodes, "rnn",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, inputs]),

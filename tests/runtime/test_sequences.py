@@ -618,6 +618,25 @@ def test_stateless_requests_keep_working_without_the_store(engines, redis_server
         plain.close()
 
 
+def test_the_models_declared_initial_state_starts_the_sequence(tmp_path):
+    import onnxruntime as ort
+
+    onnx_bytes = rnn_model(initial_h=0.25)
+    rel = build(tmp_path, "rnn", onnx_bytes, RNN_STATES).path
+    served = Served(tmp_path, "rnn", rel, {"sequences": {"states": RNN_STATES}})
+    try:
+        assert [i["name"] for i in get(served.port, "/v2/models/rnn")[1]["inputs"]] == ["x"]
+        got = [post(served.port, "rnn", {"x": rnn_x(i)}, params("d", start=(i == 0)))[2]["y"]
+               for i in range(3)]
+    finally:
+        served.close()
+    session = ort.InferenceSession(onnx_bytes, providers=["CPUExecutionProvider"])
+    h = np.full((1, 32), 0.25, dtype=np.float32)  # not zeros: the model's default
+    for i in range(3):
+        h, y = session.run(["h_next", "y"], {"x": rnn_x(i), "h": h})
+        assert got[i].tobytes() == y.tobytes()
+
+
 def test_a_mismatched_pair_keeps_the_pod_alive_and_not_ready(engines):
     root, rels = engines
     runtime = {"sequences": {"states": [{"input": "h", "output": "y"}]}}
