@@ -6,8 +6,9 @@ KV cache as `past_*` inputs and `present_*` outputs) is stepped one request at a
 client sends Triton's sequence parameters (`sequence_id`, `sequence_start`, `sequence_end`
 in the request's `parameters`) and the model's other inputs; a step feeds the stored state
 (at the start the model's declared initial state, an input's default value, else zeros),
-runs the model, stores the returned state and answers the other outputs. The state tensors are not the client's: they are not in the model's metadata and
-a request cannot send or ask for them.
+runs the model, stores the returned state and answers the other outputs. The state tensors
+are not the client's: they are not in the model's metadata and a request cannot send or
+ask for them.
 
     request --> SequenceManager.step(inputs, parameters, tenant)
                   per-sequence lock (two requests of one sequence run one after the other)
