@@ -123,7 +123,7 @@ def redis_server_binary() -> str | None:
 class RedisServer:
     """`redis-server` on 127.0.0.1:<free port>, nothing saved to disk, in `workdir`."""
 
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None):
         self.binary = redis_server_binary()
         if self.binary is None:
             raise RuntimeError("redis-server is not installed (make redis, or "
@@ -131,6 +131,7 @@ class RedisServer:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -141,7 +142,8 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes",
-             "--daemonize", "no", "--loglevel", "warning"],
+             "--daemonize", "no", "--loglevel", "warning",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.workdir)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -149,7 +151,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return self
             except OSError:
                 time.sleep(0.02)

@@ -397,6 +397,25 @@ async def test_redis_keys_ttl_and_real_expiry(redis_server):
 
 
 @needs_redis
+async def test_the_password_comes_from_the_environment(tmp_path):
+    server = RedisServer(tmp_path / "auth", password="s3cret-pw").start()
+    spec = sq.StoreSpec(type="redis", address=server.address, password_required=True)
+    try:
+        with pytest.raises(ValueError, match="KILN_SEQUENCE_STORE_PASSWORD is not in the environment"):
+            sq.make_store(spec, environ={})
+        good = sq.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "s3cret-pw"})
+        await run_steps(manager(good), 1, 0, 2)
+        await good.close()
+        bad = sq.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "wrong"})
+        e = await refused(manager(bad).step(x(0), params(1, start=True)))
+        assert e.status == 503 and "refused the credentials" in e.message
+        assert "s3cret-pw" not in e.message and "wrong" not in e.message
+        await bad.close()
+    finally:
+        server.stop()
+
+
+@needs_redis
 async def test_redis_down_is_503_within_the_timeout(redis_server):
     store = sq.RedisStore(redis_server.address, timeout=0.3)
     try:
