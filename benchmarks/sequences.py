@@ -23,7 +23,6 @@ Runtime sessions of models made with onnx.helper, and Debian's `redis-server` on
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,6 @@ sys.path.insert(0, str(REPO / "tests" / "runtime"))
 from sequence_models import RedisServer, autoregressive_model, redis_server_binary  # noqa: E402
 
 from kiln.runtime import sequences as sq  # noqa: E402
-from kiln.runtime.backends.base import TensorSpec  # noqa: E402
 
 HIDDEN = VOCAB = 1024
 

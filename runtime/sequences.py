@@ -83,8 +83,6 @@ MAX_RACE_RETRIES = 3
 # States larger than this are encoded and hashed on a worker thread, not on the event loop.
 _THREAD_BYTES = 1 << 20
 
-SEQUENCE_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end")
-
 
 class SequenceError(ProtocolError):
     """A sequence request the server refuses: the HTTP status, a message, and Retry-After
