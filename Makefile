@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Go builds the control plane (hack/build_controlplane.py); where it usually lives, if not on PATH.
 export PATH := $(PATH):/usr/local/go/bin
 
-.PHONY: demo test test-e2e bench bench-tools install tools monitoring-tools rules controlplane cluster cluster-down e2e-docs clean
+.PHONY: demo test test-e2e bench bench-tools install tools monitoring-tools redis rules controlplane cluster cluster-down e2e-docs clean
 
 # The virtual environment with pinned test dependencies and Kiln linked in (strict
 # editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
@@ -46,6 +46,15 @@ monitoring-tools:
 			apt-get update -qq && apt-get install -y -qq --no-install-recommends $(MONITORING_PACKAGES) >/dev/null; }; }
 	@promtool --version 2>&1 | head -1
 
+# Debian's Redis server: the store the stateful-sequence tests and benchmark start on loopback
+# (tests/runtime/sequence_models.py: a free port, no persistence). Installing starts nothing.
+redis:
+	@command -v redis-server >/dev/null || { \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 || { \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }; }
+	@redis-server --version | head -1
+
 # The chart's autoscaling rules rendered with default values, for a Prometheus without the
 # operator; tests/chart fails when this file and the chart's template differ.
 RULES_FILE := charts/kiln/files/kiln-autoscaling.rules.yaml
@@ -61,7 +70,7 @@ rules: $(BIN)/.deps $(HELM)
 controlplane:
 	$(PYTHON) hack/build_controlplane.py --dest $(TOOLS)
 
-test: install tools monitoring-tools controlplane
+test: install tools monitoring-tools redis controlplane
 	PATH=$(CURDIR)/$(TOOLS):$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
 
 # Only the real tier (tests/e2e): the control plane, helm install, real builds and pods.
@@ -90,7 +99,7 @@ bench-tools:
 
 # benchmarks/peers.py installs its peers (MLServer, KServe) from PyPI into
 # .tools/bench-peers/<peer>-<version>/ on its first run, once.
-bench: install tools controlplane monitoring-tools bench-tools
+bench: install tools controlplane monitoring-tools redis bench-tools
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:

@@ -166,8 +166,10 @@ def pvc_source(uri: str) -> tuple[str, str] | None:
 def build_request(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineRef) -> dict[str, Any]:
     m, e = spec["model"], spec.get("engine") or {}
     key_inputs = enginekey.key_inputs(m, e, engine.architecture, engine.backend_version).to_dict()
+    states = ((spec.get("runtime") or {}).get("sequences") or {}).get("states")
     return contract.build_request(model["metadata"]["namespace"], model["metadata"]["name"], m,
-                                  {**e, "backend": engine.backend}, engine.architecture, engine.key, key_inputs)
+                                  {**e, "backend": engine.backend}, engine.architecture, engine.key, key_inputs,
+                                  states)
 
 
 def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineRef,
@@ -392,6 +394,9 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
     }
+    env = sequence_env(runtime)
+    if env:
+        container["env"] = env
     pod_spec: dict[str, Any] = {
         "securityContext": _pod_security_context(),
         "containers": [container],
@@ -426,6 +431,24 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                      "ownerReferences": [owner_reference(model)]},
         "spec": dep_spec,
     }
+
+
+def sequence_env(runtime: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The runtime container's environment for stateful sequences (spec.runtime.sequences):
+    the pod's namespace (part of every store key, so two namespaces can share one Redis) and
+    the store's password from its Secret. Nothing for a stateless model, so its pod template
+    is unchanged. The password is never in the args: `--runtime-spec` carries only the
+    Secret's name and key."""
+    sequences = runtime.get("sequences")
+    if not sequences:
+        return []
+    env: list[dict[str, Any]] = [{"name": contract.NAMESPACE_ENV,
+                                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    ref = (sequences.get("store") or {}).get("passwordSecretRef")
+    if ref:
+        env.append({"name": contract.SEQUENCE_STORE_PASSWORD_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
+    return env
 
 
 def runtime_grpc_port(port: int) -> int:

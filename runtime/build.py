@@ -81,6 +81,9 @@ class BuildRequest:
     key: str | None = None
     # Optional: the operator's own key inputs, so a mismatch can say which input differs.
     key_inputs: dict[str, Any] | None = None
+    # Optional: spec.runtime.sequences.states, checked against the built engine's tensors
+    # (not part of the key: a state pair is how the runtime drives the engine).
+    sequence_states: list[tuple[str, str]] | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> "BuildRequest":
@@ -135,8 +138,15 @@ class BuildRequest:
         key_inputs = d.get("keyInputs")
         if key_inputs is not None and not isinstance(key_inputs, dict):
             raise BadRequest("request.keyInputs must be an object")
+        states = d.get("sequenceStates")
+        if states is not None:
+            if not isinstance(states, list) or not all(
+                    isinstance(p, dict) and isinstance(p.get("input"), str)
+                    and isinstance(p.get("output"), str) for p in states):
+                raise BadRequest("request.sequenceStates must be a list of {input, output}")
+            states = [(p["input"], p["output"]) for p in states]
         return cls(namespace=d["namespace"], name=d["name"], model=dict(model), engine=engine,
-                   target=target, key=key, key_inputs=key_inputs)
+                   target=target, key=key, key_inputs=key_inputs, sequence_states=states)
 
 
 @dataclass
@@ -240,7 +250,7 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     if existing is not None:
         log(f"cache hit: {rel} ({existing.size_bytes} bytes, built {existing.built_at})")
         try:
-            load_seconds = _load_check(backend, entry, clock, log)
+            load_seconds = _load_check(backend, entry, clock, log, request.sequence_states)
         except (base.BackendError, cache.CacheError) as e:
             quarantined = _quarantine(cache_dir, request, key,
                                       f"the cached engine does not load: {e}", log)
@@ -282,7 +292,7 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
         raise
     log(f"published {rel} ({manifest.size_bytes} bytes, sha256 {manifest.sha256})")
     try:
-        load_seconds = _load_check(backend, entry, clock, log)
+        load_seconds = _load_check(backend, entry, clock, log, request.sequence_states)
     except (base.BackendError, cache.CacheError) as e:
         # Left in place: the next build of the key finds it does not load and moves it aside.
         raise BuildError(f"the engine {backend.name} {version} just built and published as "
@@ -303,10 +313,13 @@ def _quarantine(cache_dir, request: BuildRequest, key: str, reason: str,
     return {"path": rel, "reason": reason[:1000]}
 
 
-def _load_check(backend, entry, clock: Callable[[], float], log: Log) -> float:
+def _load_check(backend, entry, clock: Callable[[], float], log: Log,
+                sequence_states: list[tuple[str, str]] | None = None) -> float:
     """Load the published engine once, as a runtime pod will (read, verify, deserialize,
     one execution context). An engine that does not load fails the build here, not in
     every pod; the time is what the operator sizes the pods' startup probe from.
+    `sequence_states` (spec.runtime.sequences.states) must fit the engine's tensors, else
+    BadRequest naming both tensors (the engine stays published: a spec fix is a cache hit).
     Raises cache.CacheError or the backend's BackendError."""
     from kiln.runtime import cache
 
@@ -318,6 +331,13 @@ def _load_check(backend, entry, clock: Callable[[], float], log: Log) -> float:
     engine = backend.load(data, manifest.profiles())
     try:
         engine.create_context().close()
+        if sequence_states:
+            from kiln.runtime.sequences import check_pairs
+
+            inputs = list(engine.inputs) + list(getattr(engine, "defaults", ()))
+            problems = check_pairs(sequence_states, inputs, engine.outputs)
+            if problems:
+                raise BadRequest("; ".join(problems))
     finally:
         engine.close()
     seconds = clock() - started

@@ -59,6 +59,11 @@ MAX_AUTO_FRONT_END_WORKERS = 16
 # `kiln serve --load-timeout-seconds`: how long an engine load may take before the model
 # fails (not ready, with the reason); the operator sets it from the startup-probe budget.
 LOAD_TIMEOUT_SECONDS = 600.0
+# Stateful sequences (spec.runtime.sequences): the runtime pod's environment variable that
+# holds the store's password, set by the operator from store.passwordSecretRef (valueFrom a
+# Secret; never in the args), and the one that names the pod's namespace (part of the keys).
+SEQUENCE_STORE_PASSWORD_ENV = "KILN_SEQUENCE_STORE_PASSWORD"
+NAMESPACE_ENV = "KILN_NAMESPACE"
 
 
 def index_key(key: str, architecture: str) -> str:
@@ -67,9 +72,12 @@ def index_key(key: str, architecture: str) -> str:
 
 
 def build_request(namespace: str, name: str, model: Mapping[str, Any], engine: Mapping[str, Any], target: str,
-                  key: str, key_inputs: Mapping[str, Any]) -> dict[str, Any]:
+                  key: str, key_inputs: Mapping[str, Any],
+                  sequence_states: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON `kiln build --request` reads. `keyInputs` travel along so that a builder whose
-    own inputs hash differently (another TensorRT version, say) can name the input that differs."""
+    own inputs hash differently (another TensorRT version, say) can name the input that differs.
+    `sequenceStates` (spec.runtime.sequences.states, when set) are checked against the built
+    engine; they are not part of the key."""
     model_req = {"uri": model["uri"], "version": model.get("version", "")}
     if model.get("sha256"):
         model_req["sha256"] = model["sha256"]
@@ -80,8 +88,11 @@ def build_request(namespace: str, name: str, model: Mapping[str, Any], engine: M
         engine_req["workspaceMiB"] = engine["workspaceMiB"]
     if engine.get("builderFlags"):
         engine_req["builderFlags"] = dict(engine["builderFlags"])
-    return {"namespace": namespace, "name": name, "model": model_req, "engine": engine_req, "target": target,
-            "key": key, "keyInputs": dict(key_inputs)}
+    request = {"namespace": namespace, "name": name, "model": model_req, "engine": engine_req, "target": target,
+               "key": key, "keyInputs": dict(key_inputs)}
+    if sequence_states:
+        request["sequenceStates"] = [{"input": p["input"], "output": p["output"]} for p in sequence_states]
+    return request
 
 
 def parse_result(text: str | None) -> dict[str, Any] | None:

@@ -134,9 +134,10 @@ def run(args: argparse.Namespace) -> int:
 
     cache_dir = Path(args.cache_dir)
     try:
+        states = ((body.get("runtime") or {}).get("sequences") or {}).get("states")
         request = BuildRequest.from_dict({"namespace": namespace, "name": name,
                                           "model": body["model"], "engine": body["engine"],
-                                          "target": target})
+                                          "target": target, "sequenceStates": states})
         result = build_engine(request, cache_dir, allow_local_files=True)
     except BuildError as e:
         return _fail(f"build failed ({e.reason}): {e}", 1)

@@ -212,8 +212,8 @@ _REFUSALS: dict[str, type[Exception]] = {
 
 def _refusal(e: Exception) -> tuple:
     """An engine-side failure -> what travels (the exception itself need not pickle)."""
-    if isinstance(e, ProtocolError):
-        return ("ProtocolError", e.status, e.message)
+    if isinstance(e, ProtocolError):  # it pickles (the JSON worker's errors travel so too)
+        return ("ProtocolError", e, None)
     for kind in ("ShuttingDown", "Overloaded", "InvalidBatch", "ExecutionFailed"):
         if isinstance(e, _REFUSALS[kind]):
             return (kind, getattr(e, "retry_after", None), str(e))
@@ -223,7 +223,7 @@ def _refusal(e: Exception) -> tuple:
 def _raise(refusal: tuple) -> None:
     kind, extra, message = refusal
     if kind == "ProtocolError":
-        raise ProtocolError(extra, message)
+        raise extra
     cls = _REFUSALS[kind]
     if issubclass(cls, Overloaded):
         raise cls(extra if extra is not None else 1.0, message)
@@ -243,9 +243,11 @@ def model_state(server: Any) -> dict[str, dict[str, Any]]:
             "loaded": m.engine is not None, "inputs": m.inputs, "outputs": m.outputs,
             "profiles": m.profiles, "max_rows": getattr(m.scheduler, "max_rows", None),
             # Rows a front end may join requests into (None: never): only where the
-            # scheduler batches requests anyway and no result cache looks at each one.
+            # scheduler batches requests anyway, no result cache looks at each one, and no
+            # request carries a sequence's state.
             "join_rows": (m.scheduler.max_rows if getattr(m.scheduler, "batches_requests", False)
-                          and m.scheduler.cache is None else None)}
+                          and m.scheduler.cache is None and getattr(m, "sequences", None) is None
+                          else None)}
     return state
 
 
@@ -305,8 +307,9 @@ class _EngineSide:
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == "infer":
-            _, rid, name, descs, out_at, out_room = message
-            self.tasks[rid] = asyncio.create_task(self._infer(rid, name, descs, out_at, out_room))
+            _, rid, name, descs, out_at, out_room, parameters, tenant = message
+            self.tasks[rid] = asyncio.create_task(
+                self._infer(rid, name, descs, out_at, out_room, parameters, tenant))
         elif kind == "cancel":
             task = self.tasks.get(message[1])
             if task is not None:
@@ -328,7 +331,7 @@ class _EngineSide:
             self.channel.send(("state", self.hub.state))
 
     async def _infer(self, rid: int, name: str, descs: list[tuple], out_at: int,
-                     out_room: int) -> None:
+                     out_room: int, parameters: dict[str, Any] | None, tenant: str) -> None:
         arena = self.arena
         try:
             model = self.hub.server.models[name]
@@ -336,7 +339,7 @@ class _EngineSide:
             scheduler = model.scheduler
             if getattr(scheduler, "cache", None) is None and hasattr(scheduler, "wait_for_room"):
                 await scheduler.wait_for_room()
-            results = await model.infer(inputs)
+            results = await model.infer(inputs, parameters, tenant)
             reply = ("ok", rid, _pack(arena, out_at, out_room, results))
         except asyncio.CancelledError:
             reply = ("cancelled", rid)
@@ -447,10 +450,12 @@ class EngineLink:
         self._pending[self._next_id] = (future, slot)
         return self._next_id, future
 
-    async def infer(self, name: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, name: str, inputs: Mapping[str, np.ndarray],
+                    parameters: Mapping[str, Any] | None = None,
+                    tenant: str = "") -> dict[str, np.ndarray]:
         join_rows = (self.state.get(name) or {}).get("join_rows")
-        if not join_rows:
-            return await self._hand_over(name, inputs)
+        if not join_rows or (parameters and "sequence_id" in parameters):
+            return await self._hand_over(name, inputs, dict(parameters or {}), tenant)
         return await self._join(name, inputs, join_rows)
 
     async def _join(self, name: str, inputs: Mapping[str, np.ndarray],
@@ -488,7 +493,7 @@ class EngineLink:
 
     async def _run_group(self, name: str, members: list[tuple]) -> None:
         try:
-            outputs = await self._hand_over(name, batching.concat([m[0] for m in members]))
+            outputs = await self._hand_over(name, batching.concat([m[0] for m in members]), {}, "")
             try:
                 parts = batching.split(outputs, [m[1] for m in members])
             except ValueError as e:  # as the scheduler does: never hand out another's rows
@@ -506,7 +511,8 @@ class EngineLink:
             if not future.done():
                 future.set_result(part)
 
-    async def _hand_over(self, name: str, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def _hand_over(self, name: str, inputs: Mapping[str, np.ndarray],
+                         parameters: dict[str, Any], tenant: str) -> dict[str, np.ndarray]:
         slot = self.slots.take()
         try:
             rid, future = self._register(slot)
@@ -520,7 +526,7 @@ class EngineLink:
             arena, at, room = self.slots.arena, slot * self.slots.size, self.slots.size
         descs = _pack(arena, at, room, inputs)
         used = _packed_bytes(descs)  # what inputs left of the slot is for the outputs
-        self._channel.send(("infer", rid, name, descs, at + used, room - used))
+        self._channel.send(("infer", rid, name, descs, at + used, room - used, parameters, tenant))
         try:
             kind, result = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -611,8 +617,10 @@ class RemoteModel:
     async def load(self) -> bool:
         return True  # the engine process loads; its state arrives through the link
 
-    async def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return await self._link.infer(self.name, inputs)
+    async def infer(self, inputs: Mapping[str, np.ndarray],
+                    parameters: Mapping[str, Any] | None = None,
+                    tenant: str = "") -> dict[str, np.ndarray]:
+        return await self._link.infer(self.name, inputs, parameters, tenant)
 
     async def close(self, drain_timeout: float) -> None:
         pass

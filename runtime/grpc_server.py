@@ -34,6 +34,7 @@ from kiln.runtime.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.model import ServedModel
 from kiln.runtime.protocol import ProtocolError, bad_request, shown
 from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded
+from kiln.runtime.sequences import tenant_of
 from kiln.runtime.server import NOT_READY_RETRY_AFTER, cut, scheduler_refusal
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.FAILED_PRECONDITION,  # a sequence's state is another engine's
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
@@ -55,6 +57,7 @@ _OUTCOMES = {
     grpc.StatusCode.OK: "success",
     grpc.StatusCode.INVALID_ARGUMENT: "bad_request",
     grpc.StatusCode.NOT_FOUND: "bad_request",
+    grpc.StatusCode.FAILED_PRECONDITION: "bad_request",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
 }
@@ -186,14 +189,15 @@ class GrpcEndpoint:
 
     async def ModelInfer(self, request, context):
         model = await self._model(request.model_name, request.model_version, context)
+        tenant = tenant_of(dict(context.invocation_metadata() or ()))
         result = await self.server.track(
-            model, lambda in_scheduler: self._infer(request, model, in_scheduler), _outcome)
+            model, lambda in_scheduler: self._infer(request, model, in_scheduler, tenant), _outcome)
         if isinstance(result, _Refused):
             await _abort(context, result)
         return result
 
     async def _infer(self, request: pb.ModelInferRequest, model: ServedModel,
-                     in_scheduler: list[bool]) -> pb.ModelInferResponse | _Refused:
+                     in_scheduler: list[bool], tenant: str = "") -> pb.ModelInferResponse | _Refused:
         if self.server.draining:
             return _Refused(503, "the server is shutting down; retry on another replica",
                             NOT_READY_RETRY_AFTER)
@@ -206,15 +210,21 @@ class GrpcEndpoint:
             inputs, outputs = decode_request(request, model.inputs, model.outputs,
                                              model.profiles)
             in_scheduler.append(True)
-            results = await model.infer(inputs)
+            results = await model.infer(inputs, _parameters(request.parameters), tenant)
         except ProtocolError as e:
-            return _Refused(e.status, e.message)
+            return _Refused(e.status, e.message, e.retry_after)
         except (InvalidBatch, Overloaded, ExecutionFailed) as e:
             return _Refused(*scheduler_refusal(model, e))
         missing = [name for name in outputs if name not in results]
         if missing:
             return _Refused(500, f"the engine returned no {', '.join(missing)}")
         return encode_response(model.name, model.version, request.id, outputs, results)
+
+
+def _parameters(params) -> dict[str, Any]:
+    """A request's `parameters` map (InferParameter) as the JSON request's plain values."""
+    return {name: getattr(p, p.WhichOneof("parameter_choice"))
+            for name, p in params.items() if p.WhichOneof("parameter_choice")}
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:

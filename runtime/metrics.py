@@ -61,6 +61,12 @@ class ServerMetrics:
             ["model"], registry=r)
         self.result_cache_bytes = Gauge(
             "kiln_result_cache_bytes", "Bytes held by the result cache.", ["model"], registry=r)
+        self.sequences_live = Gauge(
+            "kiln_sequences_live", "Stateful sequences whose state this replica holds in "
+            "memory (spec.runtime.sequences).", ["model"], registry=r)
+        self.sequence_state_bytes = Gauge(
+            "kiln_sequence_state_bytes", "Bytes of sequence state this replica holds in memory.",
+            ["model"], registry=r)
         self.engine_load_seconds = Gauge(
             "kiln_engine_load_seconds", "Engine load time by stage "
             "(read, verify, deserialize, warmup).", ["model", "stage"], registry=r)

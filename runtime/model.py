@@ -200,6 +200,9 @@ class ServedModel:
         self.manifest: Any = None  # cache.Manifest once read
         self.engine: Any = None  # the backend's LoadedEngine
         self.scheduler: Any = None  # the Scheduler (or what scheduler_factory makes)
+        # spec.runtime.sequences: the manager once loaded (runtime/sequences.py), else None.
+        self.sequences: Any = None
+        self._state_tensors: frozenset[str] = frozenset()
         self.timings: dict[str, float] = {}
         metrics.model_ready.labels(model=name).set_function(lambda: float(self.ready))
 
@@ -228,11 +231,15 @@ class ServedModel:
 
     @property
     def inputs(self) -> list[TensorSpec]:
-        return list(self.engine.inputs) if self.engine is not None else []
+        """The inputs a client sends: a stateful model's state inputs are the server's."""
+        return [s for s in self.engine.inputs if s.name not in self._state_tensors] \
+            if self.engine is not None else []
 
     @property
     def outputs(self) -> list[TensorSpec]:
-        return list(self.engine.outputs) if self.engine is not None else []
+        """The outputs a client can ask for: not a stateful model's state outputs."""
+        return [s for s in self.engine.outputs if s.name not in self._state_tensors] \
+            if self.engine is not None else []
 
     @property
     def profiles(self) -> Mapping[str, ShapeRange]:
@@ -308,6 +315,7 @@ class ServedModel:
                                               engine_bytes, manifest.profiles())
         del engine_bytes
         self._stage("deserialize", self._clock() - t)
+        sequence_spec = self._sequence_spec()
         self.metrics.model_info.labels(model=self.name, version=self.version,
                                        engine_key=manifest.key, backend=manifest.backend,
                                        target=self.target).set(1)
@@ -321,12 +329,55 @@ class ServedModel:
         await self.scheduler.start()
         batching = self.runtime_spec.get("batching") or {}
         max_batch = batching.get("maxBatchSize") if batching.get("enabled", True) else None
-        sample = warmup_inputs(self.inputs, self.profiles, max_batch)
+        sample = warmup_inputs(list(self.engine.inputs), self.profiles, max_batch)
         outputs = await self.scheduler.submit(sample)
-        missing = [o.name for o in self.outputs if o.name not in outputs]
+        missing = [o.name for o in self.engine.outputs if o.name not in outputs]
         if missing:
             raise ModelLoadError(f"warm-up returned no {', '.join(missing)}")
         self._stage("warmup", self._clock() - t)
+        if sequence_spec is not None:
+            self._start_sequences(sequence_spec, manifest.key)
+
+    def _sequence_spec(self):
+        """spec.runtime.sequences checked against the loaded engine's tensors, or None."""
+        from kiln.runtime import sequences
+
+        try:
+            spec = sequences.SequenceSpec.from_runtime(self.runtime_spec)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        if spec is None:
+            return None
+        problems = sequences.check_pairs(spec.states, self._engine_inputs(), self.engine.outputs)
+        if problems:
+            raise ModelLoadError("; ".join(problems))
+        self._state_tensors = spec.state_inputs | spec.state_outputs
+        return spec
+
+    def _start_sequences(self, spec, engine_key: str) -> None:
+        from kiln.runtime import sequences
+        from kiln.runtime.contract import NAMESPACE_ENV
+
+        try:
+            store = sequences.make_store(spec.store)
+        except (ValueError, ImportError) as e:
+            raise ModelLoadError(f"sequence store: {e}") from None
+        # Not connected yet: a store that is down fails sequence requests (503), never the
+        # model's readiness or its stateless requests.
+        self.sequences = sequences.SequenceManager(
+            spec, self.name, engine_key, self._submit, self._engine_inputs(), self.engine.outputs,
+            store=store, namespace=os.environ.get(NAMESPACE_ENV) or None, clock=self._clock,
+            initial=getattr(self.engine, "default_values", None))
+        self.sequences.start()
+        manager = self.sequences
+        self.metrics.sequences_live.labels(model=self.name).set_function(
+            lambda: manager.live_sequences)
+        self.metrics.sequence_state_bytes.labels(model=self.name).set_function(
+            lambda: manager.live_bytes)
+
+    def _engine_inputs(self) -> list[TensorSpec]:
+        """Every input the engine takes: those it needs, and those it has a default for."""
+        return list(self.engine.inputs) + list(getattr(self.engine, "defaults", ()))
 
     def _read(self, entry: str):
         from kiln.runtime import cache
@@ -349,7 +400,19 @@ class ServedModel:
 
     # -- serve -------------------------------------------------------------------------
 
-    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any] | None = None,
+                    tenant: str = "") -> dict[str, np.ndarray]:
+        """Run one request. A stateful model (spec.runtime.sequences) steps the sequence the
+        request's `parameters` name (runtime/sequences.py); `tenant` owns it."""
+        if self.sequences is not None:
+            return await self.sequences.step(inputs, parameters, tenant)
+        if parameters and parameters.get("sequence_id") not in (None, 0, ""):
+            from kiln.runtime.protocol import bad_request
+            raise bad_request(f"model '{self.name}' is not stateful (no spec.runtime.sequences): "
+                              f"drop the sequence_id parameter")
+        return await self._submit(inputs)
+
+    async def _submit(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         scheduler = self.scheduler
         if scheduler is None:  # closed after a drain timeout, or never loaded
             from kiln.runtime.scheduler import ShuttingDown
@@ -360,7 +423,10 @@ class ServedModel:
         """Finish what the scheduler holds (up to the timeout), then free the engine."""
         if self.state != FAILED:
             self.state = STOPPED
-        await self._release(drain_timeout)
+        started = time.monotonic()
+        if self.sequences is not None:  # its running steps need the scheduler: close it first
+            await self.sequences.close(drain_timeout)  # then it refuses steps (503)
+        await self._release(max(0.0, drain_timeout - (time.monotonic() - started)))
 
     async def _release(self, drain_timeout: float = 0.0) -> None:
         scheduler, self.scheduler = self.scheduler, None

@@ -54,15 +54,17 @@ _UNSUPPORTED_PARAMETERS = {
 
 
 class ProtocolError(Exception):
-    """A request the server refuses, with the HTTP status to answer."""
+    """A request the server refuses, with the HTTP status to answer (and Retry-After
+    seconds, when waiting can help)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: float | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
     def __reduce__(self):  # raised in a decoding worker process, re-raised here
-        return ProtocolError, (self.status, self.message)
+        return ProtocolError, (self.status, self.message, self.retry_after)
 
 
 def bad_request(message: str) -> ProtocolError:

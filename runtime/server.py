@@ -52,6 +52,7 @@ from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import LOADING, UNHEALTHY, ServedModel
 from kiln.runtime.protocol import HEADER_LENGTH, ProtocolError
 from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
+from kiln.runtime.sequences import tenant_of
 
 log = logging.getLogger("kiln.runtime.server")
 T = TypeVar("T")
@@ -420,7 +421,7 @@ class InferenceServer:
                 req = protocol.parse_infer_request(*parse)
             del body, parse
             in_scheduler.append(True)
-            results = await model.infer(req.inputs)
+            results = await model.infer(req.inputs, req.parameters, tenant_of(request.headers))
             missing = [o.name for o in req.outputs if o.name not in results]
             if missing:
                 return error_response(500, f"the engine returned no {', '.join(missing)}")
@@ -432,7 +433,8 @@ class InferenceServer:
             else:
                 payload, json_length = protocol.encode_infer_response(*encode)
         except ProtocolError as e:
-            response = error_response(e.status, e.message)
+            response = error_response(e.status, e.message, None if e.retry_after is None
+                                      else {"Retry-After": _retry_after(e.retry_after)})
             if e.status in (408, 413):  # the rest of the body is not worth reading
                 response.force_close()
             return response

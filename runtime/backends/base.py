@@ -77,6 +77,9 @@ class LoadedEngine(Protocol):
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     profiles: Mapping[str, ShapeRange]  # empty when the engine has static shapes
+    # Optional (read with getattr): inputs the engine has a default value for, which it
+    # runs without (a stateful model's declared initial state), and those values.
+    # defaults: list[TensorSpec]; default_values: Mapping[str, np.ndarray]
 
     def create_context(self) -> ExecutionContext: ...
 

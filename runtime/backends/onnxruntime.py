@@ -153,7 +153,24 @@ class OnnxRuntimeBackend:
             session = ort.InferenceSession(bytes(engine), so, providers=["CPUExecutionProvider"])
         except Exception as e:
             raise BackendError(f"ONNX Runtime cannot load the engine: {e}") from None
-        return OrtEngine(session, dict(profiles))
+        loaded = OrtEngine(session, dict(profiles))
+        if 0 < len(loaded.defaults) <= MAX_DEFAULT_INPUTS:
+            loaded.default_values = _initializer_values(engine, {s.name for s in loaded.defaults})
+        return loaded
+
+
+# Inputs with a default value (an initializer of the same name) whose values `load` reads:
+# a stateful model's declared initial state. A model exported with every weight as an input
+# has hundreds; their values are not read (their state starts at zeros).
+MAX_DEFAULT_INPUTS = 64
+
+
+def _initializer_values(engine: bytes, names: set[str]) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load_from_string(bytes(engine))
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.name in names}
 
 
 def _to_fp16(model):
@@ -180,6 +197,10 @@ class OrtEngine:
         self.session = session
         self.inputs = [_spec(a) for a in session.get_inputs()]
         self.outputs = [_spec(a) for a in session.get_outputs()]
+        # Inputs that have a default (ONNX: a graph input that is also an initializer): ONNX
+        # Runtime leaves them out of get_inputs() and uses the default unless one is fed.
+        self.defaults = [_spec(a) for a in session.get_overridable_initializers()]
+        self.default_values: dict[str, np.ndarray] = {}
         self.profiles = profiles
         self._output_names = [o.name for o in self.outputs]
 

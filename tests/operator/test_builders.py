@@ -187,6 +187,32 @@ class TestRuntimeDeployment:
         assert c["args"][-4:] == ["--port", "8081", "--grpc-port", "8082"]
         assert [p["containerPort"] for p in c["ports"]] == [8081, 8082]
 
+    def test_sequences_get_the_store_password_from_the_secret_never_the_args(self):
+        sequences = {"states": [{"input": "past", "output": "present"}],
+                     "store": {"type": "redis", "address": "redis.cache.svc:6379",
+                               "passwordSecretRef": {"name": "kiln-redis", "key": "password"}}}
+        dep, _ = self.deployment(runtime={"sequences": sequences})
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["env"] == [
+            {"name": "KILN_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "KILN_SEQUENCE_STORE_PASSWORD",
+             "valueFrom": {"secretKeyRef": {"name": "kiln-redis", "key": "password"}}}]
+        passed = json.loads(c["args"][c["args"].index("--runtime-spec") + 1])["sequences"]
+        assert passed["store"]["address"] == "redis.cache.svc:6379"
+        assert passed["store"]["passwordSecretRef"] == {"name": "kiln-redis", "key": "password"}
+        # The Service stays plain: any pod continues any sequence from the store.
+        svc = b.runtime_service(MODEL, spec(runtime={"sequences": sequences}))
+        assert "sessionAffinity" not in svc["spec"] and svc["spec"]["selector"] == {"kiln.dev/model": "resnet50"}
+        # The build is told the pairs, to check them against the engine (not part of the key).
+        [e] = b.plan_engines(spec(runtime={"sequences": sequences}), CONFIG)
+        request = b.build_request(MODEL, spec(runtime={"sequences": sequences}), e)
+        assert request["sequenceStates"] == [{"input": "past", "output": "present"}]
+        assert e.key == b.plan_engines(spec(), CONFIG)[0].key
+
+    def test_a_stateless_model_has_no_sequence_env(self):
+        dep, _ = self.deployment()
+        assert "env" not in dep["spec"]["template"]["spec"]["containers"][0]
+
     def test_one_engine_flag_per_architecture(self):
         dep, engines = self.deployment(engine={"targets": ["A100", "H100"]})
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
