@@ -499,6 +499,13 @@ class InferenceServer:
                                      f"{self.body_timeout:g} s") from None
 
     async def _read(self, request: web.Request, limit: int, why: str) -> bytes | bytearray:
+        try:
+            return await self._read_chunks(request, limit, why)
+        except web.RequestPayloadError as e:  # e.g. Content-Encoding: gzip on a body that is not
+            raise ProtocolError(400, f"the request body cannot be read: "
+                                     f"{' '.join(str(e).split())}") from None
+
+    async def _read_chunks(self, request: web.Request, limit: int, why: str) -> bytes | bytearray:
         length = request.content_length
         if length is not None and length <= _IO_CHUNK_BYTES:
             return await request.read()  # one read: aiohttp stops at Content-Length

@@ -295,6 +295,8 @@ MALFORMED_HTTP = {
     # Refused while the handler reads the body (the request line and headers were fine).
     "a chunk size that is not hex": _raw("Transfer-Encoding: chunked\r\n",
                                          b"zz\r\n" + VALID_BODY + b"\r\n0\r\n\r\n"),
+    "Content-Encoding: gzip on a body that is not": _raw(
+        f"Content-Encoding: gzip\r\nContent-Length: {len(VALID_BODY)}\r\n", VALID_BODY),
 }
 # Refused by aiohttp's router before the app's handler (and middleware) runs: any 4xx will do
 # (417 Expectation Failed is aiohttp's), as long as it is one, in JSON.
