@@ -10,7 +10,7 @@ function is tested without a cluster (tests/operator/test_builders.py).
 - `job_state`, `termination_result`: what a finished build Job and its pod say.
 - `observe_deployment`, `template_drift`: what a live runtime Deployment says, and where
   its pod template differs from what Kiln applied.
-- `httproute_weights_patch`: the JSON Patch that sets backend weights on a Gateway API HTTPRoute.
+- `route_weights_patch`: the JSON Patch that sets backend weights on a Gateway API HTTPRoute or GRPCRoute.
 """
 
 from __future__ import annotations
@@ -588,9 +588,10 @@ def slim_containers(containers: Iterable[Mapping[str, Any]]) -> list[dict[str, A
 
 # ------------------------------------------------------------------------ traffic
 
-def httproute_weights_patch(route: Mapping[str, Any], weights: Mapping[str, int]) -> list[dict[str, Any]]:
+def route_weights_patch(route: Mapping[str, Any], weights: Mapping[str, int]) -> list[dict[str, Any]]:
     """The JSON Patch (RFC 6902) that sets the weight of every backendRef named in `weights`, in
-    every rule of `route` (an HTTPRoute as read from the API).
+    every rule of `route` (an HTTPRoute or a GRPCRoute as read from the API: their rules'
+    backendRefs are alike).
 
     Each write is preceded by a `test` of that backendRef's name, so a route whose refs moved
     since it was read fails the whole patch (422) rather than weighting the wrong backend.
@@ -612,6 +613,6 @@ def httproute_weights_patch(route: Mapping[str, Any], weights: Mapping[str, int]
     missing = sorted(set(weights) - found)
     if missing:
         meta = route.get("metadata") or {}
-        raise ValueError(f"HTTPRoute {meta.get('namespace')}/{meta.get('name')} has no backendRef "
+        raise ValueError(f"{route.get('kind', 'HTTPRoute')} {meta.get('namespace')}/{meta.get('name')} has no backendRef "
                          f"named {', '.join(missing)}")
     return patch

@@ -41,6 +41,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("v1", "configmaps", True),
     "Event": ("v1", "events", True),
     "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes", True),
+    "GRPCRoute": ("gateway.networking.k8s.io/v1", "grpcroutes", True),
 }
 
 

@@ -209,22 +209,26 @@ def stable_status(p: Pass, tracks: Tracks, live: Mapping[str, Any] | None) -> di
 
 
 async def shift_traffic(p: Pass, weight: int) -> bool:
-    """The HTTPRoute's weights: `<model>` 100 - weight, `<model>-canary` weight. Written when
-    they change (remembered per route; a restart reads and writes them once). False when the
-    write failed: the weight is not in effect, and the step's clock does not start."""
-    route = ((p.spec.get("rollout") or {}).get("traffic") or {}).get("httpRoute")
-    key = (p.ns, route)
-    if not route or p.ctx.route_weights.get(key) == weight:
-        return True
-    try:
-        live = await p.ctx.kube.get("HTTPRoute", p.ns, route)
-        if live is None:
-            raise ValueError(f"HTTPRoute {p.ns}/{route} does not exist")
-        await p.ctx.kube.patch("HTTPRoute", p.ns, route, builders.httproute_weights_patch(
-            live, {p.name: 100 - weight, f"{p.name}-canary": weight}))
-    except (ValueError, ApiError) as e:
-        p.record("Warning", "TrafficNotShifted", f"canary weight {weight}% not set on the HTTPRoute: {e}")
-        return False
-    p.ctx.route_weights[key] = weight
-    p.record("Normal", "TrafficShifted", f"HTTPRoute {route}: {p.name} {100 - weight}, {p.name}-canary {weight}")
-    return True
+    """The routes' weights (the HTTPRoute's, and the GRPCRoute's for gRPC clients): `<model>`
+    100 - weight, `<model>-canary` weight. Written when they change (remembered per route; a
+    restart reads and writes them once). False when a write failed: the weight is not in
+    effect, and the step's clock does not start."""
+    traffic = (p.spec.get("rollout") or {}).get("traffic") or {}
+    shifted = True
+    for kind, route in (("HTTPRoute", traffic.get("httpRoute")), ("GRPCRoute", traffic.get("grpcRoute"))):
+        key = (p.ns, kind, route)
+        if not route or p.ctx.route_weights.get(key) == weight:
+            continue
+        try:
+            live = await p.ctx.kube.get(kind, p.ns, route)
+            if live is None:
+                raise ValueError(f"{kind} {p.ns}/{route} does not exist")
+            await p.ctx.kube.patch(kind, p.ns, route, builders.route_weights_patch(
+                live, {p.name: 100 - weight, f"{p.name}-canary": weight}))
+        except (ValueError, ApiError) as e:
+            p.record("Warning", "TrafficNotShifted", f"canary weight {weight}% not set on the {kind}: {e}")
+            shifted = False
+            continue
+        p.ctx.route_weights[key] = weight
+        p.record("Normal", "TrafficShifted", f"{kind} {route}: {p.name} {100 - weight}, {p.name}-canary {weight}")
+    return shifted

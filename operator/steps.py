@@ -54,7 +54,8 @@ class Context:
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
     results: dict[tuple[str, str], dict[str, Any]] = dataclasses.field(default_factory=dict)
     last_status: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    route_weights: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # HTTPRoute -> canary weight set
+    # (namespace, kind, route) -> the canary weight set on that HTTPRoute or GRPCRoute
+    route_weights: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
     signals_seen: dict[str, str] = dataclasses.field(default_factory=dict)  # uid -> the signal record last acted on
     replaced_jobs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # -> uid of the deleted Job
     # (namespace, Deployment) -> the applied hash whose drift a patch could not undo (someone

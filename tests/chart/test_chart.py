@@ -241,7 +241,7 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
-GATEWAY_RULE = {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["httproutes"],
+GATEWAY_RULE = {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["httproutes", "grpcroutes"],
                 "verbs": ["get", "list", "watch", "patch"]}
 CRD_RULE = {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
             "verbs": ["get", "list", "watch"]}

@@ -492,7 +492,7 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
     assert [r["metadata"]["name"] for r in operator.items(routes)] == [model]
     route = operator.get(path)
     assert backend_weights(route) == [(model, 90), (canary, 10)]
-    operator.request("PATCH", path, builders.httproute_weights_patch(route, {model: 50, canary: 50}), JSON_PATCH)
+    operator.request("PATCH", path, builders.route_weights_patch(route, {model: 50, canary: 50}), JSON_PATCH)
     assert backend_weights(operator.get(path)) == [(model, 50), (canary, 50)]
 
     # A route whose refs moved since it was read: the patch's tests fail it whole, nothing is written.
@@ -501,7 +501,7 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
     moved["rules"][0]["backendRefs"].reverse()
     api.request("PATCH", path, {"spec": moved}, "application/merge-patch+json")
     with pytest.raises(operator.ApiError) as refused:
-        operator.request("PATCH", path, builders.httproute_weights_patch(stale, {model: 0, canary: 100}), JSON_PATCH)
+        operator.request("PATCH", path, builders.route_weights_patch(stale, {model: 0, canary: 100}), JSON_PATCH)
     assert refused.value.status == 422, refused.value
     assert backend_weights(operator.get(path)) == [(canary, 50), (model, 50)]
 
@@ -510,7 +510,7 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
     for weight, message in [(-1, "should be greater than or equal to 0"),
                             (1000001, "should be less than or equal to 1000000")]:
         with pytest.raises(operator.ApiError) as refused:
-            operator.request("PATCH", path, builders.httproute_weights_patch(route, {canary: weight}), JSON_PATCH)
+            operator.request("PATCH", path, builders.route_weights_patch(route, {canary: weight}), JSON_PATCH)
         assert refused.value.status == 422 and "spec.rules[0].backendRefs[0].weight" in refused.value.message
         assert message in refused.value.message, refused.value.message
     # The CRD's CEL rules run too: a Service backend needs a port.
@@ -575,14 +575,21 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
     models = demo_models(cluster, api, namespace)
     rollout = {"strategy": "Canary", "steps": [{"weight": 25, "pauseSeconds": 3}, {"weight": 50, "pauseSeconds": 3}],
                "analysis": {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": 0.05, "maxLatencyRatio": 3},
-               "traffic": {"mechanism": "GatewayAPI", "httpRoute": "iris"}}
-    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
-             "metadata": {"name": "iris", "namespace": namespace},
-             "spec": {"parentRefs": [{"name": "shared-gateway"}], "rules": [{"backendRefs": [
-                 {"name": "iris", "port": 8080, "weight": 100}, {"name": "iris-canary", "port": 8080, "weight": 0}]}]}}
-    kubectl("apply", "-f", "-", input=json.dumps(route))
-    weights = lambda: {r["name"]: r["weight"] for r in api.get(  # noqa: E731
-        f"/apis/gateway.networking.k8s.io/v1/namespaces/{namespace}/httproutes/iris")["spec"]["rules"][0]["backendRefs"]}
+               "traffic": {"mechanism": "GatewayAPI", "httpRoute": "iris", "grpcRoute": "iris-grpc"}}
+    for kind, name, port in (("HTTPRoute", "iris", 8080), ("GRPCRoute", "iris-grpc", 8081)):
+        kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": kind,
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"parentRefs": [{"name": "shared-gateway"}], "rules": [{"backendRefs": [
+                {"name": "iris", "port": port, "weight": 100},
+                {"name": "iris-canary", "port": port, "weight": 0}]}]}}))
+
+    def route_weights(plural: str, name: str) -> dict[str, int]:
+        return {r["name"]: r["weight"] for r in api.get(
+            f"/apis/gateway.networking.k8s.io/v1/namespaces/{namespace}/{plural}/{name}")["spec"]["rules"][0]["backendRefs"]}
+
+    weights = lambda: route_weights("httproutes", "iris")  # noqa: E731
+    grpc_weights = lambda: route_weights("grpcroutes", "iris-grpc")  # noqa: E731
     apply = lambda version, path: kubectl("apply", "-f", "-", input=json.dumps(  # noqa: E731
         iris(namespace, version, sha256(path), replicas=2, rollout=rollout)))
     apply("1", model_version(models, "1"))
@@ -599,13 +606,16 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
 
             # A good version: every step analyzed and passed, the route's weights follow, promoted.
             apply("2", model_version(models, "2"))
-            seen_weights = set()
+            seen_weights, seen_grpc_weights = set(), set()
             def promoted() -> bool:
                 seen_weights.add(weights()["iris-canary"])
+                seen_grpc_weights.add(grpc_weights()["iris-canary"])
                 st = status()
                 return st.get("stable", {}).get("version") == "2" and not st.get("canary")
             wait_for(promoted, 240, "version 2 promoted through both steps")
             assert {25, 50} <= seen_weights and weights() == {"iris": 100, "iris-canary": 0}
+            # gRPC clients' route follows the same steps.
+            assert {25, 50} <= seen_grpc_weights and grpc_weights() == {"iris": 100, "iris-canary": 0}
             wait_for(lambda: {"RolloutStarted", "RolloutStep", "Promoting", "Promoted", "TrafficShifted"} <= {
                 e["reason"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
                 if e["involvedObject"]["kind"] == "InferenceModel"}, 30, "the rollout's Events")
@@ -619,6 +629,7 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
             st = wait_for(lambda: status().get("rollback") and status(), 240, "version 3 rolled back")
             assert "latency-p99-ratio" in st["rollback"]["reason"] and st["engineKey"] == good_key
             assert (st["stable"]["version"], weights()) == ("2", {"iris": 100, "iris-canary": 0})
+            assert grpc_weights() == {"iris": 100, "iris-canary": 0}
             conditions = {c["type"]: c for c in st["conditions"]}
             assert conditions["Degraded"]["reason"] == "RolledBack"
             wait_for(lambda: not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary"), 60,

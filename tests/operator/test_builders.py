@@ -325,7 +325,7 @@ class TestHTTPRouteWeightsPatch:
     def test_sets_each_named_backends_weight_after_testing_its_name(self):
         route = self.route([{"name": "resnet50", "port": 8080, "weight": 90},
                             {"name": "resnet50-canary", "port": 8080, "weight": 10}])
-        assert b.httproute_weights_patch(route, {"resnet50": 50, "resnet50-canary": 50}) == [
+        assert b.route_weights_patch(route, {"resnet50": 50, "resnet50-canary": 50}) == [
             {"op": "test", "path": "/spec/rules/0/backendRefs/0/name", "value": "resnet50"},
             {"op": "replace", "path": "/spec/rules/0/backendRefs/0/weight", "value": 50},
             {"op": "test", "path": "/spec/rules/0/backendRefs/1/name", "value": "resnet50-canary"},
@@ -335,7 +335,7 @@ class TestHTTPRouteWeightsPatch:
     def test_every_rule_and_only_the_named_backends(self):
         route = self.route([{"name": "other", "weight": 3}, {"name": "resnet50", "weight": 100}],
                            [{"name": "resnet50"}])
-        assert b.httproute_weights_patch(route, {"resnet50": 0}) == [
+        assert b.route_weights_patch(route, {"resnet50": 0}) == [
             {"op": "test", "path": "/spec/rules/0/backendRefs/1/name", "value": "resnet50"},
             {"op": "replace", "path": "/spec/rules/0/backendRefs/1/weight", "value": 0},
             {"op": "test", "path": "/spec/rules/1/backendRefs/0/name", "value": "resnet50"},
@@ -346,13 +346,13 @@ class TestHTTPRouteWeightsPatch:
     def test_a_backend_in_no_rule_names_the_route(self):
         route = self.route([{"name": "resnet50", "weight": 100}])
         with pytest.raises(ValueError, match="HTTPRoute ml/resnet50 has no backendRef named resnet50-canary"):
-            b.httproute_weights_patch(route, {"resnet50": 90, "resnet50-canary": 10})
+            b.route_weights_patch(route, {"resnet50": 90, "resnet50-canary": 10})
 
     def test_a_route_without_rules(self):
         route = {"metadata": {"name": "r", "namespace": "ml"}, "spec": {}}
-        assert b.httproute_weights_patch(route, {}) == []
+        assert b.route_weights_patch(route, {}) == []
         with pytest.raises(ValueError, match="HTTPRoute ml/r"):
-            b.httproute_weights_patch(route, {"x": 1})
+            b.route_weights_patch(route, {"x": 1})
 
 
 class TestObservedDeployment:

@@ -89,7 +89,7 @@ app.kubernetes.io/component: operator
   verbs: [create, patch]
 {{- if .Values.rbac.gatewayAPI }}
 - apiGroups: [gateway.networking.k8s.io]
-  resources: [httproutes]
+  resources: [httproutes, grpcroutes]
   verbs: [get, list, watch, patch]
 {{- end }}
 {{- end -}}
