@@ -50,6 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -67,7 +68,6 @@ from kiln.runtime.server import InferenceServer, error_response, run_event_loop,
 
 log = logging.getLogger("kiln.runtime.frontend")
 
-WORKERS_ENV = "KILN_WORKERS"
 # Each front end's shared memory: SLOTS requests in flight at once, each up to SLOT_BYTES of
 # inputs and outputs together (32 rows of 2048 float32 in and out fit); the pages are
 # touched only as used. What does not fit goes inline.
@@ -78,6 +78,7 @@ _STATE_PERIOD = 0.05
 _TALLY_PERIOD = 0.1
 _RESTART_DELAY = 1.0
 _METRICS_TIMEOUT = 5.0
+_FIRST_STATE_TIMEOUT = 30.0
 _FRAME = struct.Struct("<I")
 
 
@@ -85,7 +86,7 @@ def cpu_limit() -> float | None:
     """The CPUs this process may use: its cgroup's quota (a pod's CPU limit) if set, else
     its affinity mask; None when neither can be read."""
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":
             return int(quota) / int(period)
     except (OSError, ValueError):
@@ -437,6 +438,7 @@ class EngineLink:
 
     def _on_lost(self) -> None:
         self.lost.set()
+        self.connected.set()  # a front end still waiting for its first state stops now
         for future, _ in self._pending.values():
             if not future.done():
                 future.set_result(("gone", None))
@@ -660,7 +662,6 @@ class FrontEndConfig:
     drain_seconds: float
     log_level: str = "INFO"
     event_loop: str = "asyncio"
-    local_only: bool = False
 
 
 def front_end_main(config: FrontEndConfig) -> None:
@@ -675,12 +676,18 @@ def front_end_main(config: FrontEndConfig) -> None:
 async def _serve_front_end(config: FrontEndConfig) -> None:
     link = EngineLink()
     try:
-        await link.connect(config.hub_path)
-        await asyncio.wait_for(link.connected.wait(), 30)
+        try:
+            await link.connect(config.hub_path)
+        except OSError as e:  # the engine process went away before this one connected
+            log.error("cannot reach the engine process (%s); this front end stops", e)
+            return
+        await asyncio.wait_for(link.connected.wait(), _FIRST_STATE_TIMEOUT)
+        if link.lost.is_set():
+            log.error("the engine process went away before this front end started")
+            return
         server = FrontEndServer([RemoteModel(n, link) for n in config.model_names], link,
                                 max_body_bytes=config.max_body_bytes,
-                                body_timeout=config.body_timeout, limits=config.limits,
-                                local_only=config.local_only)
+                                body_timeout=config.body_timeout, limits=config.limits)
         stop = asyncio.Event()
         watcher = asyncio.create_task(_stop_when(link.lost, stop))
         await run_until_stopped(server, config.host, config.port, config.drain_seconds,

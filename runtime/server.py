@@ -435,8 +435,12 @@ class InferenceServer:
         except ProtocolError as e:
             response = error_response(e.status, e.message, None if e.retry_after is None
                                       else {"Retry-After": _retry_after(e.retry_after)})
-            if e.status in (408, 413):  # the rest of the body is not worth reading
-                response.force_close()
+            if e.status in (408, 413) or not request.content.is_eof():
+                response.force_close()  # the rest of the body is not worth reading
+                if request.content.exception() is not None:
+                    # A body aiohttp could not decode: its lingering read of the rest would
+                    # only raise the error again, as an unhandled one.
+                    request.content.feed_eof()
             return response
         except (InvalidBatch, Overloaded, ExecutionFailed) as e:
             status, message, retry = scheduler_refusal(model, e)

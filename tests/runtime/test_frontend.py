@@ -261,13 +261,26 @@ def test_a_front_end_that_dies_is_replaced(built, tmp_path, kiln_process):
         assert p.stop() == 0
 
 
-def test_front_ends_stop_when_the_engine_is_killed(built, tmp_path, kiln_process):
-    p, client = serve(kiln_process, built, tmp_path, 2)
-    pids = front_ends(p.proc.pid)
-    assert len(pids) == 2
+def kill_the_engine_and_see_them_stop(p, pids: list[int]) -> None:
     p.proc.kill()
     p.proc.wait(5)
     deadline = time.monotonic() + 20
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, "front ends outlived their engine"
         time.sleep(0.1)
+
+
+def test_front_ends_stop_when_the_engine_is_killed(built, tmp_path, kiln_process):
+    p, client = serve(kiln_process, built, tmp_path, 2)
+    pids = front_ends(p.proc.pid)
+    assert len(pids) == 2
+    kill_the_engine_and_see_them_stop(p, pids)
+
+
+def test_front_ends_still_starting_stop_when_the_engine_is_killed(built, tmp_path, kiln_process):
+    p = kiln_process(["serve", "--model-name", NAME, "--cache-dir", str(built.cache),
+                      "--engine", f"cpu={built.rel}", "--host", "127.0.0.1", "--port", "0",
+                      "--no-grpc", "--workers", "2"], tmp_path)
+    p.wait_for(r"front-end worker\(s\) on")  # spawned, still importing: not connected yet
+    pids = front_ends(p.proc.pid)
+    kill_the_engine_and_see_them_stop(p, pids)
