@@ -4,12 +4,12 @@ Targets (issue 3, issue 12 item 5): on a 1 GiB engine file, verification adds at
 to a cold read (from storage) and at most 50% to a warm one (from the page cache). A
 runtime pod loads its engine once, into fresh memory, so every measurement runs in a
 fresh process (interpreter start excluded from the timing): `read_verified` (min(CPUs, 8)
-threads each read a chunk into the buffer and check its sha256 at once) against the same
+threads each read a chunk into the buffer and check its BLAKE3 digest at once) against the same
 parallel reads without hashing (`read_unverified(threads=...)`, the baseline the targets
-are judged by) and against `read_unverified`'s single read call; the same entry with its chunk
-digests removed from the manifest (as an entry published before them: the whole file's
-sha256 on one core, overlapping the read, as before); then a read followed by what comes
-next in a real load, deserializing the engine (an ONNX Runtime session).
+are judged by) and against `read_unverified`'s single read call; the same entry with SHA-256
+chunk digests (as published before BLAKE3), and with none (as before chunk digests: the whole
+file's sha256 on one core, overlapping the read); then a read followed by what comes next in
+a real load, deserializing the engine (an ONNX Runtime session).
 """
 
 from __future__ import annotations
@@ -102,32 +102,43 @@ def _onnx_engine(size: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def _sha_seconds(size: int, threads: int = 0) -> float:
-    """One sha256 over `size` bytes (threads=0), or its chunk digests on `threads` threads."""
+def _hash_seconds(size: int, name: str, threads: int = 0) -> float:
+    """One `name` digest (cache.CHUNK_HASHES) over `size` bytes (threads=0), or its chunk
+    digests on `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
+    digest = cache.CHUNK_HASHES[name]
     view = memoryview(os.urandom(16 << 20) * (size // (16 << 20)))
     started = time.perf_counter()
     if not threads:
-        hashlib.sha256(view).digest()
+        digest(view)
     else:
         step = cache.DIGEST_CHUNK_BYTES
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda i: hashlib.sha256(view[i:i + step]).digest(),
-                          range(0, size, step)))
+            list(pool.map(lambda i: digest(view[i:i + step]), range(0, size, step)))
     return time.perf_counter() - started
 
 
-def _without_chunk_digests(root, entry: str) -> str:
-    """A copy of the entry under another model, its manifest as before chunk digests."""
+def _older_copy(root, entry: str, sha256_chunks: bool) -> str:
+    """A copy of the entry under another model, its manifest as published before BLAKE3
+    (SHA-256 chunk digests) or before chunk digests (none)."""
     import json
 
-    copy = os.path.join(root, "bench", "old", os.path.basename(entry))
+    copy = os.path.join(root, "bench", "sha256" if sha256_chunks else "old",
+                        os.path.basename(entry))
     shutil.copytree(entry, copy)
     path = os.path.join(copy, cache.MANIFEST)
     with open(path) as f:
         doc = json.load(f)
-    del doc["chunkBytes"], doc["chunkSha256"]
+    del doc["chunkBlake3"]
+    if sha256_chunks:
+        with open(os.path.join(copy, doc["engineFile"]), "rb") as f:
+            data = f.read()
+        step = doc["chunkBytes"]
+        doc["chunkSha256"] = [hashlib.sha256(data[i:i + step]).hexdigest()
+                              for i in range(0, len(data), step)]
+    else:
+        del doc["chunkBytes"]
     with open(path, "w") as f:
         json.dump(doc, f)
     return copy
@@ -147,33 +158,35 @@ def run(quick: bool) -> str:
         rows.append(f"| {label} | {one * 1000:.0f} ms | {par * 1000:.0f} ms | "
                     f"{ver * 1000:.0f} ms | {over:+.0%} | {ver / one - 1:+.0%} | {verdict} |")
 
-    def measure(entry, backend="-", before=None, old_before=None, old=None):
+    def measure(entry, backend="-", before=None, older=()):
         m = lambda mode, e=entry, b=before: _median(  # noqa: E731
             lambda: _fresh(e, mode, backend), runs, b)
         got = m("unverified"), m("parallel"), m("verified")
-        return got if old is None else (*got, m("verified", old, old_before))
+        return (*got, *(m("verified", e, b) for e, b in older))
 
     root = tempfile.mkdtemp(prefix="kiln-bench-cache-")
     try:
         raw = _publish(root, "raw", os.urandom(16 << 20) * (size // (16 << 20)),
                        "tensorrt", "engine.plan")
-        old = _without_chunk_digests(root, raw)
-        _fresh(raw, "unverified")  # into the page cache
-        _fresh(old, "unverified")
-        one, par, ver, whole = measure(raw, old=old)
+        sha_chunks, old = _older_copy(root, raw, True), _older_copy(root, raw, False)
+        for entry in (raw, sha_chunks, old):
+            _fresh(entry, "unverified")  # into the page cache
+        one, par, ver, sha, whole = measure(raw, older=((sha_chunks, None), (old, None)))
         row("read, warm page cache", one, par, ver, TARGET_WARM_OVERHEAD)
+        row("read, warm, SHA-256 chunk digests (an entry published before BLAKE3)", one, par,
+            sha, None)
         row("read, warm, whole-file sha256 only (an entry without chunk digests)", one, par,
             whole, None)
-        path = os.path.join(raw, "engine.plan")
-        if _drop_page_cache(path):
-            drop = lambda: _drop_page_cache(path)  # noqa: E731
-            old_path = os.path.join(old, "engine.plan")
-            drop_old = lambda: _drop_page_cache(old_path)  # noqa: E731
-            one, par, ver, whole = measure(raw, before=drop, old_before=drop_old, old=old)
+        paths = [os.path.join(e, "engine.plan") for e in (raw, sha_chunks, old)]
+        if _drop_page_cache(paths[0]):
+            drops = [lambda p=p: _drop_page_cache(p) for p in paths]
+            one, par, ver, sha, whole = measure(raw, before=drops[0], older=(
+                (sha_chunks, drops[1]), (old, drops[2])))
             row("read, cold (page cache dropped)", one, par, ver)
+            row("read, cold, SHA-256 chunk digests", one, par, sha, None)
             row("read, cold, whole-file sha256 only", one, par, whole, None)
-        shutil.rmtree(raw)
-        shutil.rmtree(old)
+        for entry in (raw, sha_chunks, old):
+            shutil.rmtree(entry)
 
         onnx_entry = _publish(root, "mlp", _onnx_engine(size), "onnxruntime", "engine.onnx")
         _fresh(onnx_entry, "unverified")
@@ -181,9 +194,9 @@ def run(quick: bool) -> str:
             *measure(onnx_entry, "onnxruntime"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    sha = _sha_seconds(size)
     threads = cache._verify_threads(size // cache.DIGEST_CHUNK_BYTES)
-    sha_parallel = _sha_seconds(size, threads)
+    rates = {name: (mib / _hash_seconds(size, name), mib / _hash_seconds(size, name, threads))
+             for name in ("sha256", "blake3")}
 
     return "\n".join([
         "## Engine cache: verification overhead (issue 3, issue 12 item 5)",
@@ -201,14 +214,16 @@ def run(quick: bool) -> str:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"SHA-256 runs at {mib / sha:.0f} MiB/s on one core here (OpenSSL through hashlib), "
-        f"{mib / sha_parallel:.0f} MiB/s as {cache.DIGEST_CHUNK_BYTES >> 20} MiB chunk digests "
-        f"on {threads} threads. One digest of the whole file cannot be spread over cores, so "
-        f"the manifest also holds each chunk's sha256; each thread reads a chunk into the buffer "
-        f"(not zero-filled first; os.preadv, so several reads are in flight) and hashes it "
-        f"at once, while the others read. A verified read costs about max(read, hash spread "
-        f"over the threads): from storage the hash hides behind the read; from the page cache "
-        f"the read is a memory copy, faster than a few cores of SHA-256 (per core: about "
-        f"{mib / sha:.0f} MiB/s of hash against several GB/s of copy); in a whole load the "
-        f"deserialization that follows dominates.",
+        f"One core here hashes {rates['sha256'][0]:.0f} MiB/s of SHA-256 (OpenSSL through "
+        f"hashlib) and {rates['blake3'][0]:.0f} MiB/s of BLAKE3 (the blake3 package); as "
+        f"{cache.DIGEST_CHUNK_BYTES >> 20} MiB chunk digests on {threads} threads, "
+        f"{rates['sha256'][1]:.0f} and {rates['blake3'][1]:.0f} MiB/s. One digest of the whole "
+        f"file cannot be spread over cores, so the manifest also holds each chunk's digest "
+        f"(BLAKE3; the whole file's sha256 stays, for `sha256sum`); each thread reads a chunk "
+        f"into the buffer (not zero-filled first; os.preadv, so several reads are in flight) "
+        f"and hashes it at once, while the others read. A verified read costs about max(read, "
+        f"hash spread over the threads): from storage the hash hides behind the read; from the "
+        f"page cache the read is a memory copy, which SHA-256 on a few cores cannot keep up "
+        f"with and BLAKE3 nearly can; in a whole load the deserialization that follows "
+        f"dominates.",
     ])

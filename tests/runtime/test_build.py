@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from blake3 import blake3
 
 from kiln.runtime import build, cache
 from kiln.runtime.backends import get_backend
@@ -203,7 +204,7 @@ def _corrupt(case, tmp_path, entry):
         engine.write_bytes(garbage)
         doc = json.loads(manifest.read_text())
         doc.update(sizeBytes=len(garbage), sha256=hashlib.sha256(garbage).hexdigest(),
-                   chunkSha256=[hashlib.sha256(garbage).hexdigest()])  # one chunk
+                   chunkBlake3=[blake3(garbage).hexdigest()])  # one chunk
         manifest.write_text(json.dumps(doc))
         return "the cached engine does not load: ONNX Runtime cannot load the engine"
     raise AssertionError(case)

@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+from blake3 import blake3
 
 from kiln.runtime import cache, enginekey
 
@@ -125,12 +126,11 @@ def test_tampered_engine_is_refused_naming_file_and_digests(tmp_path):
     data = bytearray(engine.read_bytes())
     data[12345] ^= 0xFF
     engine.write_bytes(bytes(data))
-    import hashlib
-    actual = hashlib.sha256(data).hexdigest()
+    actual = blake3(data).hexdigest()  # one chunk: its digest is the file's
     with pytest.raises(cache.CacheIntegrityError) as e:
         cache.read_verified(entry)
     message = str(e.value)
-    assert str(engine) in message and actual in message and m.sha256 in message
+    assert str(engine) in message and actual in message and m.chunk_digests[0] in message
 
 
 def test_truncated_engine_is_refused_naming_file_and_sizes(tmp_path):
@@ -165,14 +165,14 @@ def test_publish_records_the_whole_digest_and_one_per_chunk(tmp_path):
     on_disk = json.loads((entry / "manifest.json").read_text())
     assert on_disk["sha256"] == hashlib.sha256(engine).hexdigest()  # what sha256sum prints
     assert on_disk["chunkBytes"] == CHUNK
-    assert on_disk["chunkSha256"] == [hashlib.sha256(engine[i:i + CHUNK]).hexdigest()
+    assert on_disk["chunkBlake3"] == [blake3(engine[i:i + CHUNK]).hexdigest()  # what b3sum prints
                                       for i in range(0, len(engine), CHUNK)]
-    assert len(on_disk["chunkSha256"]) == 6
+    assert len(on_disk["chunkBlake3"]) == 6 and "chunkSha256" not in on_disk
     assert cache.Manifest.from_json(m.to_json()) == m
-    assert (m.chunk_bytes, len(m.chunk_sha256)) == (CHUNK, 6)
+    assert (m.chunk_bytes, len(m.chunk_digests), m.chunk_hash) == (CHUNK, 6, "blake3")
     # The default is DIGEST_CHUNK_BYTES.
     default = publish(tmp_path / "d", os.urandom(1000))
-    assert default.chunk_bytes == cache.DIGEST_CHUNK_BYTES and len(default.chunk_sha256) == 1
+    assert default.chunk_bytes == cache.DIGEST_CHUNK_BYTES and len(default.chunk_digests) == 1
 
 
 @pytest.mark.parametrize("threads", [None, 1, 3, 8])
@@ -201,14 +201,14 @@ def test_a_flipped_byte_in_chunk_k_is_refused_naming_chunk_k(tmp_path, k, thread
     engine[offset] ^= 0x01
     (entry / "engine.onnx").write_bytes(engine)
     end = min(len(engine), (k + 1) * CHUNK) - 1
-    actual = hashlib.sha256(engine[k * CHUNK:end + 1]).hexdigest()
+    actual = blake3(engine[k * CHUNK:end + 1]).hexdigest()
     with pytest.raises(cache.CacheIntegrityError) as e:
         cache.read_verified(entry, threads=threads, chunk_bytes=CHUNK // 2)
     message = str(e.value)
     assert f"{entry / 'engine.onnx'}: chunk {k} (bytes {k * CHUNK}-{end}, chunkBytes {CHUNK})" \
         in message
-    assert f"sha256 {actual} does not match the manifest's chunkSha256[{k}] " \
-        f"{m.chunk_sha256[k]}" in message
+    assert f"blake3 {actual} does not match the manifest's chunkBlake3[{k}] " \
+        f"{m.chunk_digests[k]}" in message
     # The whole-file check, as the build's load check asks for, refuses it too.
     with pytest.raises(cache.CacheIntegrityError, match=f"chunk {k} "):
         cache.read_verified(entry, whole_digest=True)
@@ -234,9 +234,8 @@ def test_a_file_that_changes_size_while_it_is_read_is_refused(tmp_path, monkeypa
     engine = os.urandom(3 * CHUNK)
     m, entry = publish_chunked(tmp_path, engine)
     if old:  # no chunk digests: the sequential read
-        _rewrite_manifest(entry, chunkBytes=None, chunkSha256=None)
         doc = json.loads((entry / "manifest.json").read_text())
-        del doc["chunkBytes"], doc["chunkSha256"]
+        del doc["chunkBytes"], doc["chunkBlake3"]
         (entry / "manifest.json").write_text(json.dumps(doc))
     real_open = cache._open_published
 
@@ -261,12 +260,12 @@ def test_a_file_that_changes_size_while_it_is_read_is_refused(tmp_path, monkeypa
 def test_a_chunk_list_that_does_not_cover_size_bytes_is_refused(tmp_path, edit):
     engine = os.urandom(4 * CHUNK + 10)  # 5 chunks
     m, entry = publish_chunked(tmp_path, engine)
-    chunks = list(m.chunk_sha256)
+    chunks = list(m.chunk_digests)
     if edit == "one-missing":
-        _rewrite_manifest(entry, chunkSha256=chunks[:-1])
+        _rewrite_manifest(entry, chunkBlake3=chunks[:-1])
         count, size, piece = 4, len(engine), CHUNK
     elif edit == "one-extra":
-        _rewrite_manifest(entry, chunkSha256=chunks + [chunks[0]])
+        _rewrite_manifest(entry, chunkBlake3=chunks + [chunks[0]])
         count, size, piece = 6, len(engine), CHUNK
     elif edit == "chunk-size":
         _rewrite_manifest(entry, chunkBytes=2 * CHUNK)
@@ -276,7 +275,7 @@ def test_a_chunk_list_that_does_not_cover_size_bytes_is_refused(tmp_path, edit):
         _rewrite_manifest(entry, sizeBytes=4 * CHUNK)
         count, size, piece = 5, 4 * CHUNK, CHUNK
     else:
-        _rewrite_manifest(entry, chunkSha256=[])
+        _rewrite_manifest(entry, chunkBlake3=[])
         count, size, piece = 0, len(engine), CHUNK
     expected = (f"{entry / 'manifest.json'}: {count} chunk digests, but sizeBytes {size} in "
                 f"chunks of {piece} bytes makes {-(-size // piece)}")
@@ -289,15 +288,16 @@ def test_a_chunk_list_that_does_not_cover_size_bytes_is_refused(tmp_path, edit):
 
 
 @pytest.mark.parametrize("fields", [{"chunkBytes": 0}, {"chunkBytes": -1}, {"chunkBytes": True},
-                                    {"chunkBytes": "65536"}, {"chunkSha256": "ab"},
-                                    {"chunkSha256": ["xyz"]}, {"chunkSha256": None}])
+                                    {"chunkBytes": "65536"}, {"chunkBlake3": "ab"},
+                                    {"chunkBlake3": ["xyz"]}, {"chunkBlake3": None},
+                                    {"chunkSha256": []}])  # the last: two digest lists
 def test_malformed_chunk_fields_are_an_invalid_manifest(tmp_path, fields):
     m, entry = publish_chunked(tmp_path, os.urandom(2 * CHUNK))
     _rewrite_manifest(entry, **fields)
     with pytest.raises(cache.CacheError, match="invalid manifest"):
         cache.read_verified(entry)
     doc = json.loads(m.to_json())
-    del doc["chunkSha256"]  # one without the other
+    del doc["chunkBlake3"]  # one without the other
     with pytest.raises(cache.CacheError, match="invalid manifest"):
         cache.Manifest.from_json(json.dumps(doc))
 
@@ -306,10 +306,10 @@ def test_an_old_manifest_without_chunks_verifies_with_the_whole_digest(tmp_path)
     engine = bytearray(os.urandom(3 * CHUNK + 5))
     m, entry = publish_chunked(tmp_path, bytes(engine))
     doc = json.loads((entry / "manifest.json").read_text())
-    del doc["chunkBytes"], doc["chunkSha256"]  # as an entry published before chunk digests
+    del doc["chunkBytes"], doc["chunkBlake3"]  # as an entry published before chunk digests
     (entry / "manifest.json").write_text(json.dumps(doc))
     data, old, _ = cache.read_verified(entry, chunk_bytes=CHUNK // 2)
-    assert bytes(data) == engine and old.chunk_bytes == 0 and old.chunk_sha256 == ()
+    assert bytes(data) == engine and old.chunk_bytes == 0 and old.chunk_digests == ()
     assert "chunkBytes" not in old.to_json() and cache.Manifest.from_json(old.to_json()) == old
     assert cache.lookup(tmp_path, NS, MODEL, m.key) == old
     engine[2 * CHUNK + 1] ^= 0x80  # and corruption is still caught, by the whole digest
@@ -523,3 +523,23 @@ async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case, m
         assert model.engine is None
     finally:
         await model.close(0)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_an_entry_with_sha256_chunk_digests_still_verifies(tmp_path, threads):
+    """Published before BLAKE3 chunk digests: chunkSha256, checked as before."""
+    engine = bytearray(os.urandom(3 * CHUNK + 5))
+    m, entry = publish_chunked(tmp_path, bytes(engine))
+    sha = [hashlib.sha256(engine[i:i + CHUNK]).hexdigest() for i in range(0, len(engine), CHUNK)]
+    doc = json.loads((entry / "manifest.json").read_text())
+    del doc["chunkBlake3"]
+    doc["chunkSha256"] = sha
+    (entry / "manifest.json").write_text(json.dumps(doc))
+    data, old, _ = cache.read_verified(entry, threads=threads)
+    assert bytes(data) == engine and (old.chunk_hash, old.chunk_digests) == ("sha256", tuple(sha))
+    assert json.loads(old.to_json())["chunkSha256"] == sha
+    engine[CHUNK + 3] ^= 0x01
+    (entry / "engine.onnx").write_bytes(engine)
+    with pytest.raises(cache.CacheIntegrityError, match=r"chunk 1 .*: sha256 \w+ does not match "
+                                                        r"the manifest's chunkSha256\[1\]"):
+        cache.read_verified(entry, threads=threads)

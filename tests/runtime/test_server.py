@@ -492,7 +492,8 @@ def test_tampered_engine_is_not_ready_with_both_digests(built, tmp_path):
     data = bytearray(engine.read_bytes())
     data[len(data) // 2] ^= 0xFF
     engine.write_bytes(bytes(data))
-    actual = hashlib.sha256(data).hexdigest()
+    from blake3 import blake3
+    actual = blake3(data).hexdigest()
 
     srv = ServerThread(cache, {"cpu": built.rel})
     try:
@@ -500,12 +501,12 @@ def test_tampered_engine_is_not_ready_with_both_digests(built, tmp_path):
         assert srv.get("/v2/health/live")[0] == 200
         status, headers, doc = srv.get(f"/v2/models/{NAME}/ready")
         assert status == 503 and doc["state"] == "failed"
-        # A small engine is one chunk: its chunk digest is the whole file's.
-        assert manifest["chunkSha256"] == [manifest["sha256"]]
-        assert manifest["sha256"] in doc["error"] and actual in doc["error"]
+        # A small engine is one chunk: its one chunk digest is the whole file's BLAKE3.
+        (expected,) = manifest["chunkBlake3"]
+        assert expected in doc["error"] and actual in doc["error"]
         assert doc["error"].startswith(
             f"model '{NAME}' failed to load: {engine}: chunk 0 (bytes 0-{len(data) - 1}, "
-            f"chunkBytes {manifest['chunkBytes']}): sha256 ")
+            f"chunkBytes {manifest['chunkBytes']}): blake3 ")
         assert "Retry-After" not in headers  # waiting will not fix it
         assert srv.get("/v2/health/ready")[0] == 503
         status, _, doc = srv.get(f"/v2/models/{NAME}")
