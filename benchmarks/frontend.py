@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.__main__ import machine
-from benchmarks.serving import (CEILING_SIZES, DEMO_ONNX, TUNED, WIDTH, Model, build,
-                                ceiling, check_answer, compute_model, load, runtime_spec,
-                                serving, wrk_path)
+from benchmarks.serving import (CEILING_SIZES, TUNED, build, ceiling, check_answer, iris_model,
+                                load, mlp_model, runtime_spec, serving, wrk_path)
 
 CONCURRENCY = 256
 REPEATS = 3  # each point's median: one run's rate moves with whatever else the host runs
@@ -49,7 +48,7 @@ def run(quick: bool) -> str:
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-frontend-"))
     rows: list[tuple[int, str, object]] = []
     try:
-        demo = Model("iris", DEMO_ONNX, "features", 4)
+        demo = iris_model()
         build(demo, workdir / "cache")
         spec = runtime_spec(TUNED)
         for workers in [1, *counts]:
@@ -98,7 +97,7 @@ def _mlp_against_ceiling(workdir: Path, cores: int, wrk_threads: int, seconds: f
                          repeats: int) -> list[str]:
     """The serving benchmark's MLP, binary, one row per request: the single process and
     front ends against ONNX Runtime's in-process ceiling with the same threads."""
-    mlp = Model("mlp2048", compute_model(workdir / "mlp2048.onnx"), "x", WIDTH)
+    mlp = mlp_model(workdir)
     build(mlp, workdir / "cache")
     threads = MLP_THREADS
     workers = max(1, cores - ENGINE_CORES - threads - wrk_threads)

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import (DEMO_ONNX, TUNED, WRK_SCRIPT, Model, Server, _wrk, build,
-                                check_answer, request_body, runtime_spec, serving, wrk_path)
+from benchmarks.serving import (TUNED, Model, Server, _wrk, build, check_answer, iris_model,
+                                request_body, runtime_spec, serving, wrk_files, wrk_path)
 
 WIDE = 1_000_000  # the wide model's row: 1M floats, about 4 MB of JSON at 3 digits each
 
@@ -87,10 +87,7 @@ def closed_loop(srv: Server, model: Model, connections: int, seconds: float,
     """wrk, `connections` connections, each retrying at once whatever the answer."""
     url = f"{srv.url}/v2/models/{model.name}/infer"
     body, headers = request_body(model, 1, binary=True)
-    with tempfile.TemporaryDirectory(prefix="kiln-wrk-") as tmp:
-        body_file, script = Path(tmp) / "body", Path(tmp) / "post.lua"
-        body_file.write_bytes(body)
-        script.write_text(WRK_SCRIPT)
+    with wrk_files(body) as (body_file, script):
         _wrk(url, body_file, headers, connections, warmup, script)
         run = _wrk(url, body_file, headers, connections, seconds, script)
     return Point(connections, label or f"{connections / QUEUE:g}x the queue", run.requests,
@@ -110,7 +107,6 @@ def big_body(model: Model, size: int = BIG_BODY_BYTES) -> bytes:
 
 def wide_model(path: Path) -> Path:
     """y = -x, x: [N, WIDE] FP32: the compute is nothing, the request is all JSON."""
-    import onnx
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -252,7 +248,7 @@ def run(quick: bool) -> str:
     threads, spin = TUNED["threads"], TUNED["spin"]
     try:
         cache_dir = workdir / "cache"
-        model = Model("iris", DEMO_ONNX, "features", 4)
+        model = iris_model()
         build(model, cache_dir)
 
         peak_connections = (QUEUE,) if quick else (QUEUE // 2, QUEUE)

@@ -34,9 +34,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from benchmarks.serving import (DEMO_ONNX, HEADER_LENGTH, REPO, WIDTH, LoadResult, Model,
-                                _free_port, _wrk, build, compute_model, request_body, scrape,
-                                serving, started, wrk_files, wrk_path)
+from benchmarks.serving import (HEADER_LENGTH, REPO, LoadResult, Model, _free_port, _wrk, build,
+                                iris_model, mlp_model, request_body, scrape, serving, started,
+                                wrk_files, wrk_path)
 
 # The peers, pinned: the releases issue 12 names, plus the benchmark interpreter's onnxruntime
 # and numpy (1.32.0 and 2.4.6 when this was written); pip resolves the rest from PyPI (checked
@@ -331,8 +331,7 @@ def run(quick: bool) -> str:
     batches: dict[str, float | None] = {}
     try:
         cache_dir = workdir / "cache"
-        tiny = Model("iris", DEMO_ONNX, "features", 4)
-        mlp = Model("mlp2048", compute_model(workdir / "mlp2048.onnx"), "x", WIDTH)
+        tiny, mlp = iris_model(), mlp_model(workdir)
         for m in (tiny, mlp):
             build(m, cache_dir)
             results[m.name], batches[m.name] = _compare(m, cache_dir, workdir, pythons, threads,

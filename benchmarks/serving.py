@@ -98,6 +98,16 @@ class Model:
         return {self.input: x}
 
 
+def iris_model() -> Model:
+    """The demo: the Iris classifier (the benchmarks' tiny model)."""
+    return Model("iris", DEMO_ONNX, "features", 4)
+
+
+def mlp_model(workdir: Path) -> Model:
+    """The compute-dominated MLP, written into `workdir`."""
+    return Model("mlp2048", compute_model(workdir / "mlp2048.onnx"), "x", WIDTH)
+
+
 def build(model: Model, cache_dir: Path) -> None:
     from kiln.runtime.build import BuildRequest, build_engine
 
@@ -538,8 +548,7 @@ def run(quick: bool) -> str:
     wrk_path()  # fail early, with the fix, when wrk is missing
     try:
         cache_dir = workdir / "cache"
-        demo = Model("iris", DEMO_ONNX, "features", 4)
-        compute = Model("mlp2048", compute_model(workdir / "mlp2048.onnx"), "x", WIDTH)
+        demo, compute = iris_model(), mlp_model(workdir)
         for m in (demo, compute):
             build(m, cache_dir)
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from blake3 import blake3
+
 from kiln.runtime.backends.base import ShapeRange
 
 MANIFEST = "manifest.json"
@@ -54,18 +56,13 @@ MAX_VERIFY_THREADS = 8
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def _blake3(data: memoryview) -> str:
-    from blake3 import blake3
-
-    return blake3(data).hexdigest()
-
-
 # Chunk digests: how each is computed, and its manifest field. New entries use CHUNK_HASH;
 # BLAKE3 (its 256-bit default output) hashes several times faster than SHA-256 on a core, so
 # a warm read (a memory copy) pays far less for its check; entries published with
 # chunkSha256 still verify as they did.
 CHUNK_HASHES: dict[str, Callable[[memoryview], str]] = {
-    "blake3": _blake3, "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+    "blake3": lambda data: blake3(data).hexdigest(),
+    "sha256": lambda data: hashlib.sha256(data).hexdigest()}
 CHUNK_FIELDS = {"blake3": "chunkBlake3", "sha256": "chunkSha256"}
 CHUNK_HASH = "blake3"
 STALE_TEMP_SECONDS = 6 * 3600  # a publish never takes this long; older temporaries are debris

@@ -63,8 +63,9 @@ from kiln.runtime.contract import FRONT_END_SHM_BYTES, MAX_AUTO_FRONT_END_WORKER
 from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import LOADING, STOPPED
 from kiln.runtime.protocol import ProtocolError
-from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
-from kiln.runtime.server import InferenceServer, error_response, run_event_loop, run_until_stopped
+from kiln.runtime.scheduler import ExecutionFailed, SchedulerError, ShuttingDown
+from kiln.runtime.server import (InferenceServer, address, error_response, run_event_loop,
+                                 run_until_stopped)
 
 log = logging.getLogger("kiln.runtime.frontend")
 
@@ -174,25 +175,21 @@ class _Channel(asyncio.Protocol):
 
 
 def _pack(arena: np.ndarray | None, offset: int, capacity: int,
-          arrays: Mapping[str, np.ndarray]) -> list[tuple]:
-    """Arrays -> descriptors, each copied into arena[offset:offset + capacity] when all fit
-    (one copy, no serialization), else all carried inline."""
+          arrays: Mapping[str, np.ndarray]) -> tuple[list[tuple], int]:
+    """Arrays -> (descriptors, arena bytes used): each copied into
+    arena[offset:offset + capacity] when all fit (one copy, no serialization), else all
+    carried inline (0 bytes used)."""
     descs = []
     at, end = offset, offset + capacity
     for name, a in arrays.items():
         a = np.ascontiguousarray(a)
         n = a.nbytes
         if arena is None or a.dtype.hasobject or at + n > end:
-            return [(name, None, None, None, np.asarray(a)) for name, a in arrays.items()]
+            return [(name, None, None, None, np.asarray(a)) for name, a in arrays.items()], 0
         arena[at:at + n] = a.reshape(-1).view(np.uint8)
         descs.append((name, a.dtype.str, a.shape, at, n))
         at += -(-n // _ALIGN) * _ALIGN
-    return descs
-
-
-def _packed_bytes(descs: list[tuple]) -> int:
-    """The arena bytes `_pack`'s descriptors take (0 when inline)."""
-    return sum(-(-d[4] // _ALIGN) * _ALIGN for d in descs if d[3] is not None)
+    return descs, at - offset
 
 
 def _unpack(arena: np.ndarray | None, descs: list[tuple], copy: bool) -> dict[str, np.ndarray]:
@@ -204,31 +201,6 @@ def _unpack(arena: np.ndarray | None, descs: list[tuple], copy: bool) -> dict[st
             view = arena[at:at + inline].view(dtype).reshape(shape)
             out[name] = view.copy() if copy else view
     return out
-
-
-_REFUSALS: dict[str, type[Exception]] = {
-    "InvalidBatch": InvalidBatch, "Overloaded": Overloaded, "ShuttingDown": ShuttingDown,
-    "ExecutionFailed": ExecutionFailed}
-
-
-def _refusal(e: Exception) -> tuple:
-    """An engine-side failure -> what travels (the exception itself need not pickle)."""
-    if isinstance(e, ProtocolError):  # it pickles (the JSON worker's errors travel so too)
-        return ("ProtocolError", e, None)
-    for kind in ("ShuttingDown", "Overloaded", "InvalidBatch", "ExecutionFailed"):
-        if isinstance(e, _REFUSALS[kind]):
-            return (kind, getattr(e, "retry_after", None), str(e))
-    return ("ExecutionFailed", None, f"{type(e).__name__}: {e}")
-
-
-def _raise(refusal: tuple) -> None:
-    kind, extra, message = refusal
-    if kind == "ProtocolError":
-        raise extra
-    cls = _REFUSALS[kind]
-    if issubclass(cls, Overloaded):
-        raise cls(extra if extra is not None else 1.0, message)
-    raise cls(message)
 
 
 # -- the engine side ---------------------------------------------------------------------
@@ -341,11 +313,13 @@ class _EngineSide:
             if getattr(scheduler, "cache", None) is None and hasattr(scheduler, "wait_for_room"):
                 await scheduler.wait_for_room()
             results = await model.infer(inputs, parameters, tenant)
-            reply = ("ok", rid, _pack(arena, out_at, out_room, results))
+            reply = ("ok", rid, _pack(arena, out_at, out_room, results)[0])
         except asyncio.CancelledError:
             reply = ("cancelled", rid)
         except Exception as e:  # every failure is the request's answer, never the link's
-            reply = ("error", rid, _refusal(e))
+            if not isinstance(e, (ProtocolError, SchedulerError)):  # these pickle
+                e = ExecutionFailed(f"{type(e).__name__}: {e}")
+            reply = ("error", rid, e)
         finally:
             self.tasks.pop(rid, None)
         self.channel.send(reply)
@@ -526,8 +500,7 @@ class EngineLink:
             arena, at, room = None, 0, 0
         else:
             arena, at, room = self.slots.arena, slot * self.slots.size, self.slots.size
-        descs = _pack(arena, at, room, inputs)
-        used = _packed_bytes(descs)  # what inputs left of the slot is for the outputs
+        descs, used = _pack(arena, at, room, inputs)  # what inputs leave is for outputs
         self._channel.send(("infer", rid, name, descs, at + used, room - used, parameters, tenant))
         try:
             kind, result = await asyncio.shield(future)
@@ -539,7 +512,7 @@ class EngineLink:
         if kind == "ok":
             return result
         if kind == "error":
-            _raise(result)
+            raise result
         if kind == "gone":
             raise EngineGone()
         raise asyncio.CancelledError()  # the engine cancelled it (it was shutting down)
@@ -739,8 +712,7 @@ class FrontEnds:
         for i in range(self.count):
             self._spawn(i)
         self._watch = asyncio.create_task(self._restart_dead(), name="front-end supervisor")
-        shown = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        server.url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{self.port}"
+        server.url = f"http://{address(self.host, self.port)}"
         log.info("%d front-end worker(s) on %s:%s", self.count, self.host, self.port)
         return server.url
 

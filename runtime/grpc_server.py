@@ -34,7 +34,7 @@ from kiln.runtime.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.model import ServedModel
 from kiln.runtime.protocol import ProtocolError, bad_request, shown
 from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded
-from kiln.runtime.sequences import tenant_of
+from kiln.runtime.sequences import request_tenant
 from kiln.runtime.server import NOT_READY_RETRY_AFTER, cut, scheduler_refusal
 
 if TYPE_CHECKING:
@@ -189,15 +189,14 @@ class GrpcEndpoint:
 
     async def ModelInfer(self, request, context):
         model = await self._model(request.model_name, request.model_version, context)
-        tenant = tenant_of(dict(context.invocation_metadata() or ()))
         result = await self.server.track(
-            model, lambda in_scheduler: self._infer(request, model, in_scheduler, tenant), _outcome)
+            model, lambda in_scheduler: self._infer(request, model, in_scheduler, context), _outcome)
         if isinstance(result, _Refused):
             await _abort(context, result)
         return result
 
     async def _infer(self, request: pb.ModelInferRequest, model: ServedModel,
-                     in_scheduler: list[bool], tenant: str = "") -> pb.ModelInferResponse | _Refused:
+                     in_scheduler: list[bool], context) -> pb.ModelInferResponse | _Refused:
         if self.server.draining:
             return _Refused(503, "the server is shutting down; retry on another replica",
                             NOT_READY_RETRY_AFTER)
@@ -210,7 +209,9 @@ class GrpcEndpoint:
             inputs, outputs = decode_request(request, model.inputs, model.outputs,
                                              model.profiles)
             in_scheduler.append(True)
-            results = await model.infer(inputs, _parameters(request.parameters), tenant)
+            parameters = _parameters(request.parameters)
+            tenant = request_tenant(parameters, lambda: dict(context.invocation_metadata() or ()))
+            results = await model.infer(inputs, parameters, tenant)
         except ProtocolError as e:
             return _Refused(e.status, e.message, e.retry_after)
         except (InvalidBatch, Overloaded, ExecutionFailed) as e:

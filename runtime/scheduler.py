@@ -47,6 +47,9 @@ class Overloaded(SchedulerError):
         self.retry_after = retry_after
         super().__init__(message or f"too many requests waiting; retry after {retry_after:.3f} s")
 
+    def __reduce__(self):  # raised in the engine process, re-raised in a front end
+        return type(self), (self.retry_after, str(self))
+
 
 class ShuttingDown(Overloaded):
     """The scheduler is draining for shutdown; another replica should take the request."""

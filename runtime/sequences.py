@@ -60,7 +60,7 @@ import numpy as np
 
 from kiln.runtime.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.contract import SEQUENCE_STORE_PASSWORD_ENV
-from kiln.runtime.protocol import ProtocolError, shown
+from kiln.runtime.protocol import ProtocolError, datatype_of, shown
 
 log = logging.getLogger("kiln.runtime.sequences")
 
@@ -87,9 +87,6 @@ _THREAD_BYTES = 1 << 20
 class SequenceError(ProtocolError):
     """A sequence request the server refuses: the HTTP status, a message, and Retry-After
     seconds where waiting can help."""
-
-    def __init__(self, status: int, message: str, retry_after: float | None = None):
-        super().__init__(status, message, retry_after)
 
 
 class StoreUnavailable(Exception):
@@ -294,6 +291,13 @@ def tenant_of(headers: Mapping[str, str]) -> str:
     return ""
 
 
+def request_tenant(parameters: Mapping[str, Any] | None,
+                   headers: Callable[[], Mapping[str, str]]) -> str:
+    """The tenant of a request that names a sequence (`tenant_of` its `headers()`), else ""
+    without reading them: stateless requests pay nothing for tenancy."""
+    return tenant_of(headers()) if parameters and "sequence_id" in parameters else ""
+
+
 def tenant_hash(tenant: str) -> str:
     return hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
@@ -341,7 +345,7 @@ def encode_state(state: StoredState, model: str) -> bytes:
         view = raw.reshape(-1).view(np.uint8)
         digest.update(view)
         chunks.append(view)
-        dtype = _datatype_of(array)
+        dtype = datatype_of(array)
         entries.append({"name": name, "datatype": dtype, "shape": list(array.shape),
                         "nbytes": int(raw.nbytes)})
     header = json.dumps({"v": 1, "model": model, "engineKey": state.engine_key,
@@ -400,13 +404,6 @@ def decode_state(blob: bytes) -> StoredState:
             array = array.astype(dtype)
         arrays[name] = array.reshape(shape)
     return StoredState(engine_key, step, incarnation, arrays)
-
-
-def _datatype_of(array: np.ndarray) -> str:
-    for name, dtype in DATATYPES.items():
-        if array.dtype == dtype:
-            return name
-    raise ValueError(f"no v2 datatype for numpy dtype {array.dtype}")
 
 
 # ------------------------------------------------------------------------------ stores

@@ -38,6 +38,7 @@ import math
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
@@ -52,7 +53,7 @@ from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import LOADING, UNHEALTHY, ServedModel
 from kiln.runtime.protocol import HEADER_LENGTH, ProtocolError
 from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
-from kiln.runtime.sequences import tenant_of
+from kiln.runtime.sequences import request_tenant
 
 log = logging.getLogger("kiln.runtime.server")
 T = TypeVar("T")
@@ -215,7 +216,6 @@ class InferenceServer:
         """Listen (HTTP on `port` unless None, as when front-end processes serve it; gRPC
         on `grpc_port` unless None; 0 picks a free one), then load every model in the
         background. Returns the base URL (None without HTTP here)."""
-        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         if port is not None:
             # handler_cancellation: a client that disconnects cancels its handler, and the
             # scheduler drops the request from its queue instead of computing it for nobody.
@@ -225,7 +225,7 @@ class InferenceServer:
             site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port or None)
             await site.start()
             bound_host, bound_port = self._runner.addresses[0][:2]
-            self.url = f"http://{shown}:{bound_port}"
+            self.url = f"http://{address(host, bound_port)}"
             if self.local_only:
                 self._allowed_hosts = _host_names(host, bound_port)
             log.info("listening on %s:%s", bound_host, bound_port)
@@ -240,7 +240,7 @@ class InferenceServer:
                     await self._runner.cleanup()
                     self._runner = None
                 raise
-            self.grpc_address = f"{'[' + shown + ']' if ':' in shown else shown}:{bound}"
+            self.grpc_address = address(host, bound)
             log.info("gRPC listening on %s:%s", host or "0.0.0.0", bound)
         self._load_tasks = [asyncio.create_task(m.load(), name=f"load {m.name}")
                             for m in self.models.values()]
@@ -421,7 +421,8 @@ class InferenceServer:
                 req = protocol.parse_infer_request(*parse)
             del body, parse
             in_scheduler.append(True)
-            results = await model.infer(req.inputs, req.parameters, tenant_of(request.headers))
+            results = await model.infer(req.inputs, req.parameters,
+                                        request_tenant(req.parameters, lambda: request.headers))
             missing = [o.name for o in req.outputs if o.name not in results]
             if missing:
                 return error_response(500, f"the engine returned no {', '.join(missing)}")
@@ -574,6 +575,12 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
     response.headers["Server"] = SERVER_HEADER
 
 
+def address(host: str, port: int) -> str:
+    """host:port to connect to a server listening on `host` (every address: loopback)."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
+
+
 def _host_names(host: str, port: int) -> frozenset[str] | None:
     """The Host header values that name this server, or None (listening on every
     address, there is no one name to check)."""
@@ -665,15 +672,12 @@ async def run_until_stopped(server: InferenceServer, host: str, port: int,
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    handled = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-            handled.append(sig)
-        except (NotImplementedError, RuntimeError):
-            # Only the main thread may handle signals (and not on every platform): a server
-            # run in a thread (tests, benchmarks) is stopped through `stop` instead.
-            continue
+    # Only the main thread may handle signals: a server run in a thread (tests, benchmarks)
+    # is stopped through `stop` instead.
+    handled = ((signal.SIGTERM, signal.SIGINT)
+               if threading.current_thread() is threading.main_thread() else ())
+    for sig in handled:
+        loop.add_signal_handler(sig, stop.set)
     try:
         if front_ends is None:
             url = await server.start(host, port, grpc_port, reuse_port=reuse_port)

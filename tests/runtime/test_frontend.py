@@ -21,7 +21,8 @@ import pytest
 from kiln.runtime.frontend import default_workers, parse_workers
 from kiln.runtime.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
-from .test_server import NAME, Built, ServerThread, assert_matches, json_inputs, sample
+from .test_server import (NAME, Built, ServerThread, assert_matches, build_cpu_engine,
+                          json_inputs, neg_model, sample)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -149,32 +150,12 @@ def test_front_ends_answer_as_the_single_process_does(built, tmp_path, kiln_proc
     assert all(s == 400 for s, _, _ in alone)
 
 
-def wide_model(width: int) -> bytes:
-    """y = -x for x [batch, width] float32: a row of it is width * 4 bytes each way."""
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Neg", ["x"], ["y"])], "wide",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model.SerializeToString()
-
-
 def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
     """A request larger than a slot, and many at once (joined into hand-overs larger than
     a slot, or more than a front end has slots): answered like the others, through the
     socket."""
-    from kiln.runtime.build import BuildRequest, build_engine
-
     width = 65536  # 256 KiB a row: a 1 MiB slot holds 2 rows in and out
-    (tmp_path / "m.onnx").write_bytes(wide_model(width))
-    rel = build_engine(BuildRequest.from_dict({
-        "namespace": "default", "name": "mm", "target": "cpu",
-        "model": {"uri": (tmp_path / "m.onnx").as_uri(), "version": "1"},
-        "engine": {"backend": "onnxruntime", "precision": "fp32"}}),
-        tmp_path / "cache", allow_local_files=True).path
+    rel = build_cpu_engine(tmp_path, "mm", neg_model(width))
     runtime = {"batching": {"maxBatchSize": 512, "maxQueueDelayMicroseconds": 300_000}}
     p, client = start(kiln_process, tmp_path, 2, [
         "--model-name", "mm", "--cache-dir", str(tmp_path / "cache"), "--engine", f"cpu={rel}",

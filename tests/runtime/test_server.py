@@ -11,7 +11,6 @@ delay, which the runtime spec sets; no mocks.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import http.client
 import json
 import shutil
@@ -855,23 +854,33 @@ def test_kiln_dev_mode_refuses_foreign_hosts_and_form_posts(built):
         srv.close()
 
 
-def test_large_json_is_decoded_off_the_event_loop(tmp_path):
-    """A JSON body above the inline threshold goes to the decoding worker process: the
-    answer is right, and liveness answers while it is decoded."""
-    width = 200_000  # one row of 200k floats: about 2.4 MB of JSON, each way
+def neg_model(width: int) -> bytes:
+    """y = -x for x [N, width] float32: a row of it is width * 4 bytes each way."""
     graph = helper.make_graph(
         [helper.make_node("Neg", ["x"], ["y"])], "neg",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    (tmp_path / "neg.onnx").write_bytes(model.SerializeToString())
-    result = build_engine(BuildRequest.from_dict({
-        "namespace": "default", "name": NAME,
-        "model": {"uri": (tmp_path / "neg.onnx").as_uri(), "version": "1"},
+    return model.SerializeToString()
+
+
+def build_cpu_engine(root: Path, name: str, onnx_model: bytes) -> str:
+    """`onnx_model` built for the CPU into root/cache; its entry, relative to the cache."""
+    (root / f"{name}.onnx").write_bytes(onnx_model)
+    return build_engine(BuildRequest.from_dict({
+        "namespace": "default", "name": name,
+        "model": {"uri": (root / f"{name}.onnx").as_uri(), "version": "1"},
         "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu"}),
-        tmp_path / "cache", allow_local_files=True)
-    srv = ServerThread(tmp_path / "cache", {"cpu": result.path},
+        root / "cache", allow_local_files=True).path
+
+
+def test_large_json_is_decoded_off_the_event_loop(tmp_path):
+    """A JSON body above the inline threshold goes to the decoding worker process: the
+    answer is right, and liveness answers while it is decoded."""
+    width = 200_000  # one row of 200k floats: about 2.4 MB of JSON, each way
+    rel = build_cpu_engine(tmp_path, NAME, neg_model(width))
+    srv = ServerThread(tmp_path / "cache", {"cpu": rel},
                        {"batching": {"maxBatchSize": 4}}, max_body_bytes=64 << 20)
     try:
         assert srv.wait_loaded(), srv.model.status_message()
