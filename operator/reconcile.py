@@ -96,7 +96,9 @@ OWNED_STATUS = tuple(f for owns in (RECONCILE_OWNS, *OWNERS.values()) for f in o
 async def _write_status(ctx: Context, model: Mapping[str, Any], previous: Mapping[str, Any],
                         status: dict[str, Any]) -> None:
     meta = model["metadata"]
-    server = {k: v for k, v in (model.get("status") or {}).items() if k in OWNED_STATUS}
+    # What the server holds of the fields this pass decides (a sticky one counts when it is
+    # set: else an operator's first pass rewrites an autoscaled model's unchanged status).
+    server = {k: v for k, v in (model.get("status") or {}).items() if k in OWNED_STATUS or k in status}
     if ctx.last_status.get(meta["uid"]) != status and server != status:
         patch: dict[str, Any] = dict(status)
         for k in OWNED_STATUS:

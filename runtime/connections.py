@@ -10,7 +10,8 @@ server facing unknown clients needs and aiohttp leaves open:
 - A request's line and headers must arrive within `header_timeout` seconds (from the
   connection's accept, and from the first byte of each later request on it); an idle
   keep-alive connection is closed after `keepalive_timeout`. The body's own timeout is
-  the infer handler's (`InferenceServer`), which answers 408.
+  the infer handler's (`InferenceServer`), which answers 408; a body left unread by an
+  answer that closes the connection is drained for at most `lingering_timeout`.
 - A request aiohttp's parser refuses (bad Content-Length, both Content-Length and
   Transfer-Encoding, over-long lines) gets the same `{"error": ...}` JSON body as every
   other failure, and one short log line instead of a traceback.
@@ -43,11 +44,15 @@ class ConnectionLimits:
     max_connections: int = 1000
     header_timeout: float = 10.0
     keepalive_timeout: float = 75.0  # nginx's default; longer than most clients' pools keep
+    # After an answer that closes the connection with the body unread (a 413 from the
+    # headers), the rest is read and dropped this long, so the client can read the answer
+    # before the close resets it; then the connection goes (aiohttp's default: 10 s).
+    lingering_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be positive, got {self.max_connections}")
-        for name in ("header_timeout", "keepalive_timeout"):
+        for name in ("header_timeout", "keepalive_timeout", "lingering_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -213,7 +218,8 @@ class Runner(web.AppRunner):
     """An AppRunner whose server is `_Server` (bounded connections, JSON parse errors)."""
 
     def __init__(self, app: web.Application, limits: ConnectionLimits, **kwargs: Any):
-        super().__init__(app, keepalive_timeout=limits.keepalive_timeout, **kwargs)
+        super().__init__(app, keepalive_timeout=limits.keepalive_timeout,
+                         lingering_time=limits.lingering_timeout, **kwargs)
         self._limits = limits
 
     async def _make_server(self) -> web.Server:

@@ -142,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
     except BuildError as e:
         return _fail(f"build failed ({e.reason}): {e}", 1)
     key = result.manifest.key
+    if result.quarantined:  # the person running this should learn their cache was bad
+        aside = cache_dir / result.quarantined["path"]
+        _print(f"the cached engine {key} was corrupt ({result.quarantined['reason']}); "
+               f"moved it aside to {aside} and built it again")
     if result.cache_hit:
         _print(f"cache hit: engine {key} for {target} is already in {result.path}")
     else:

@@ -203,6 +203,18 @@ def _unpack(arena: np.ndarray | None, descs: list[tuple], copy: bool) -> dict[st
     return out
 
 
+class _Segment(shared_memory.SharedMemory):
+    """A shared-memory segment whose close leaves the mapping to its last view: a batch
+    cancelled at shutdown may still hold views, and the standard close then raises
+    BufferError, again from __del__ at exit, where it is printed with a traceback."""
+
+    def close(self) -> None:
+        try:  # not contextlib: at exit, __del__ may run after module globals are gone
+            super().close()
+        except BufferError:
+            pass
+
+
 # -- the engine side ---------------------------------------------------------------------
 
 def model_state(server: Any) -> dict[str, dict[str, Any]]:
@@ -273,7 +285,7 @@ class _EngineSide:
     def __init__(self, hub: EngineHub):
         self.hub = hub
         self.tasks: dict[int, asyncio.Task] = {}
-        self.shm: shared_memory.SharedMemory | None = None
+        self.shm: _Segment | None = None
         self.arena: np.ndarray | None = None  # the segment as bytes, for cheap views
         self.channel = _Channel(self._on_message, self._on_lost)
 
@@ -298,7 +310,7 @@ class _EngineSide:
             # Attached, not created: the segment is the front end's, which unlinks it. (Both use
             # one resource tracker, started by this process, which unlinks what a front end
             # that died leaves behind once the last of them exits.)
-            self.shm = shared_memory.SharedMemory(name=message[1])
+            self.shm = _Segment(name=message[1])
             self.arena = np.frombuffer(self.shm.buf, np.uint8)
             self.hub._links.add(self)
             self.channel.send(("state", self.hub.state))
@@ -330,9 +342,7 @@ class _EngineSide:
             task.cancel()
         shm, self.shm, self.arena = self.shm, None, None
         if shm is not None:
-            # Views may still be alive in a cancelled batch; the mapping goes with them.
-            with contextlib.suppress(BufferError):
-                shm.close()
+            shm.close()
 
 
 # -- the front-end side ------------------------------------------------------------------
@@ -349,7 +359,7 @@ class _Slots:
 
     def __init__(self, count: int = SLOTS, size: int = SLOT_BYTES):
         self.size = size
-        self.shm = shared_memory.SharedMemory(create=True, size=count * size)
+        self.shm = _Segment(create=True, size=count * size)
         self.arena = np.frombuffer(self.shm.buf, np.uint8)
         self._free = list(range(count - 1, -1, -1))
 
@@ -363,8 +373,7 @@ class _Slots:
         self.arena = None
         with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()
-        with contextlib.suppress(BufferError):
-            self.shm.close()
+        self.shm.close()
 
 
 class EngineLink:

@@ -80,7 +80,7 @@ def test_restart_mid_build_creates_no_duplicate_job_and_resumes(api, cluster, st
         third.stop()
 
 
-def test_the_same_alert_at_two_operators_is_one_step_and_a_restart_keeps_the_cooldown(api, start_operator, am):
+def test_the_same_alert_at_two_operators_is_one_step_and_a_restart_keeps_the_cooldown(api, cluster, start_operator, am):
     # Alertmanager in HA delivers a group once per replica; two operators (no peering here)
     # each receive it and each decide. The conditional write of spec.runtime.replicas lets one
     # step land; the other sees a count it did not set and keeps it.
@@ -121,3 +121,12 @@ def test_the_same_alert_at_two_operators_is_one_step_and_a_restart_keeps_the_coo
         assert spec() == 2
     finally:
         third.stop()
+
+    # And a restart of an idle autoscaled model writes nothing: not even its status again.
+    writes = cluster.emu.writes()
+    fourth = start_operator(alert_token="test-token", retry_seconds=0.5)
+    try:
+        time.sleep(1.5)
+        assert cluster.emu.writes() == writes, cluster.emu.counts
+    finally:
+        fourth.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -121,6 +122,21 @@ def test_kiln_dev_builds_serves_and_answers_then_hits_the_cache(tmp_path, kiln_p
         again.wait_for(r"^serving scorer")
     finally:
         assert again.stop() == 0
+
+    # A corrupt entry is moved aside and built again, and the person running it is told.
+    entry = cache / "dev" / "scorer" / key
+    engine = entry / json.loads((entry / "manifest.json").read_text())["engineFile"]
+    engine.write_bytes(b"\0" + engine.read_bytes()[1:])
+    rebuilt = kiln_process(["dev", str(path), "--port", "0", "--cache-dir", str(cache)], tmp_path)
+    try:
+        aside = rebuilt.wait_for(rf"^the cached engine {key} was corrupt \(.*does not match.*\); moved it aside "
+                                 rf"to ({re.escape(str(cache))}/dev/scorer/\.quarantine-{key}-\S+) and built "
+                                 rf"it again$").group(1)
+        rebuilt.wait_for(rf"^built engine {key} for cpu in [0-9.]+s -> dev/scorer/{key}$")
+        rebuilt.wait_for(r"^serving scorer")
+        assert Path(aside).is_dir()
+    finally:
+        assert rebuilt.stop() == 0
 
 
 def test_kiln_dev_prints_every_validation_error(tmp_path):

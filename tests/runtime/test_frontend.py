@@ -223,6 +223,9 @@ def test_sigterm_drains_every_front_end_then_the_engine(built, tmp_path, kiln_pr
         assert_matches(outputs, built.expected(inputs))
     assert p.proc.wait(20) == 0
     assert not any(alive(pid) for pid in pids)
+    p.stop()  # every line read
+    log = "\n".join(p.lines)
+    assert "Traceback" not in log and "Exception ignored" not in log, log
 
 
 def test_a_front_end_that_dies_is_replaced(built, tmp_path, kiln_process):

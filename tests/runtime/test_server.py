@@ -715,6 +715,10 @@ def test_refusals_from_the_headers_come_before_the_body(built):
         status, headers, body = _response(sock)
         assert status == 413 and headers["connection"] == "close"
         assert "the largest valid request to model" in json.loads(body)["error"]
+        # ...and closed as it says, not held open waiting for a body it will not read.
+        closing = time.monotonic()
+        sock.settimeout(5)
+        assert sock.recv(1) == b"" and time.monotonic() - closing < 2.5
 
         waiting = threading.Thread(target=srv.infer, args=({"inputs": json_inputs(sample(1))},))
         waiting.start()  # holds the queue's one place for 1.5 s
