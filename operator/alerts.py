@@ -9,6 +9,13 @@ by their `namespace` and `model` labels; an unknown model is counted and logged,
 ignored. The receiver decides nothing: writing the record wakes the model, and the scaling
 step (`scaling.py`) decides - on whichever operator replica leads, since any replica may
 receive. `GET /metrics` serves the operator's metrics.
+
+The labels are the client's words in an API path, so the receiver writes only where they
+name an InferenceModel: an alert whose labels are no valid namespace and name (`../`, `?`,
+`/status`) is counted "invalid" and dropped while the rest of the payload applies (a 400
+would make Alertmanager drop the whole notification, and a retry cannot help it);
+`kube.path_for` quotes what remains, and the object read must be an InferenceModel of
+exactly that namespace and name before its record is patched.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from aiohttp import web
 from kiln.operator import signals as sig
 from kiln.operator.kube import POOL_SIZE, ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
-from kiln.runtime.contract import KIND
+from kiln.runtime import spec as specmod
+from kiln.runtime.contract import API_VERSION, KIND
 
 logger = logging.getLogger("kiln.operator.alerts")
 
@@ -158,10 +166,18 @@ class Receiver:
         now = self.clock()
         by_model: dict[tuple[str, str], dict[str, sig.Signal]] = {}
         keys: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        invalid = None  # the first alert's labels that name no object (logged once a payload)
         for alert in alerts:
             labels = alert.get("labels") or {}
             name, ns, model = labels.get("alertname"), labels.get("namespace"), labels.get("model")
-            if name not in sig.ALERTS or not ns or not model or not self.watched(ns):
+            if name not in sig.ALERTS or not ns or not model:
+                tally["ignored"] += 1
+                continue
+            if not (specmod.is_namespace(ns) and specmod.is_name(model)):
+                tally["invalid"] += 1
+                invalid = invalid or (ns, model)
+                continue
+            if not self.watched(ns):
                 tally["ignored"] += 1
                 continue
             fingerprint = str(alert.get("fingerprint") or "")
@@ -174,6 +190,9 @@ class Receiver:
             mine = by_model.setdefault((ns, model), {})
             mine[name] = sig.merge(mine.get(name), incoming) or mine[name]
             keys.setdefault((ns, model), []).append(key)
+        if invalid:
+            logger.warning("%d alerts of group %r have labels that are no namespace and name (first: %r, %r): ignored",
+                           tally["invalid"], group_key, *invalid)
         models = list(by_model)
         results = await asyncio.gather(*(self._apply(ns, model, by_model[(ns, model)], group_key)
                                          for ns, model in models))
@@ -221,9 +240,15 @@ class Receiver:
         right by Alertmanager's next repeat)."""
         obj = await self.kube.get(KIND, ns, model)
         if obj is None:
-            logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored", group_key, ns, model)
+            logger.warning("alerts of group %r name %s/%s, which is no InferenceModel: ignored", group_key, ns, model)
             return None
-        record = sig.parse(obj["metadata"].get("annotations"))
+        meta = obj.get("metadata") or {}
+        read = (obj.get("apiVersion"), obj.get("kind"), meta.get("namespace"), meta.get("name"))
+        if read != (API_VERSION, KIND, ns, model):  # what answered is not what the alerts name: no write
+            logger.warning("alerts of group %r name %s/%s, but the API answered %s %s %s/%s, which is not the "
+                           "InferenceModel: ignored", group_key, ns, model, *read)
+            return None
+        record = sig.parse(meta.get("annotations"))
         changed = set()
         for name, signal in incoming.items():
             merged = sig.merge(record.get(name), signal)

@@ -182,6 +182,31 @@ def operator(cluster, prometheus):
 
 # ------------------------------------------------------------------ what Alertmanager posts
 
+# The receiver alone (no kopf): its namespaces as `--namespace 'watched*'` gives them (a glob
+# matches '/' too, so only a valid name keeps a label inside them).
+RECEIVER_TOKEN, WATCHED_GLOB = "test-token", "watched*"
+
+
+@pytest.fixture(scope="module")
+def receiver(cluster):
+    """A real alert receiver (`alerts.Server`) on loopback, its Kube against the emulator;
+    `alerts_url` as on OperatorThread, so `am.post(receiver, ...)` posts to it."""
+    import datetime
+    import fnmatch
+    import types
+
+    from kiln.operator import alerts, kube
+    from kiln.operator.metrics import OperatorMetrics
+
+    rec = alerts.Receiver(kube.Kube(kube.load_client(str(cluster.kubeconfig))), RECEIVER_TOKEN, OperatorMetrics(),
+                          lambda: datetime.datetime.now(datetime.timezone.utc),
+                          lambda ns: fnmatch.fnmatchcase(ns, WATCHED_GLOB))
+    port = free_port()
+    server = alerts.Server(rec, port, "127.0.0.1").start()
+    yield types.SimpleNamespace(receiver=rec, port=port, alerts_url=f"http://127.0.0.1:{port}/alerts")
+    server.stop()
+
+
 def _post_alerts(op, body, token: str | None = "test-token") -> tuple[int, dict]:
     import urllib.error
     import urllib.request
