@@ -6,7 +6,6 @@ The Hypothesis side is test_alerts_fuzz.py."""
 from __future__ import annotations
 
 import datetime
-import http.client
 import json
 import logging
 
@@ -52,22 +51,11 @@ def tracebacks(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
-def raw_post(receiver, body: bytes, headers: dict[str, bytes | str]) -> tuple[int, dict]:
-    """POST /alerts with header values sent byte for byte (http.client writes bytes as they are)."""
-    conn = http.client.HTTPConnection("127.0.0.1", receiver.port, timeout=10)
-    try:
-        conn.putrequest("POST", "/alerts", skip_accept_encoding=True)
-        for name, value in {"Content-Type": "application/json", **headers, "Content-Length": str(len(body))}.items():
-            conn.putheader(name, value)
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        data = resp.read()
-    finally:
-        conn.close()
-    try:
-        return resp.status, json.loads(data)
-    except ValueError:
-        return resp.status, {"not JSON": data[:200].decode(errors="replace")}
+def raw_post(receiver, am, body: bytes, headers: dict[str, bytes | str]) -> tuple[int, dict]:
+    """POST /alerts with header values sent byte for byte."""
+    lines = {"Host": "kiln", "Content-Type": "application/json", **headers, "Content-Length": str(len(body))}
+    head = b"".join(k.encode() + b": " + (v if isinstance(v, bytes) else v.encode()) + b"\r\n" for k, v in lines.items())
+    return am.send(receiver, b"POST /alerts HTTP/1.1\r\n" + head + b"\r\n" + body)
 
 
 # -- item 1: only the named InferenceModel, only in a watched namespace ----------------------
@@ -104,3 +92,55 @@ async def test_nothing_is_written_to_an_object_that_is_not_the_named_model(api, 
 
 # -- item 2: a client's mistake is a 4xx, never a 500 -----------------------------------------
 
+def test_an_authorization_that_is_not_ascii_is_a_401(receiver, am, caplog):
+    body = json.dumps(am.webhook(am.alert(*TARGET[1:], sig.HIGH))).encode()
+    for value in (b"Bearer \xe9\xe9", b"Bearer \xff\xfe", "Bearer tést".encode(), b"\x80", b"Bearer \xed\xa0\x80"):
+        status, doc = raw_post(receiver, am, body, {"Authorization": value})
+        assert (status, doc) == (401, {"error": "a valid bearer token is required"}), value
+    assert tracebacks(caplog) == []
+
+
+def test_json_nested_too_deeply_is_a_400(receiver, am, caplog):
+    deep = 100_000
+    for body in ('{"a":' * deep + "0" + "}" * deep, "[" * deep + "]" * deep,
+                 '{"version": "4", "alerts": ' + "[" * deep + "]" * deep + "}"):
+        status, doc = raw_post(receiver, am, body.encode(), {"Authorization": "Bearer test-token"})
+        assert status == 400 and "nested too deeply" in doc["error"], (status, doc)
+    assert tracebacks(caplog) == []
+
+
+def test_what_json_does_not_allow_is_a_400(receiver, am, caplog):
+    good = json.dumps(am.webhook(am.alert(*TARGET[1:], sig.HIGH)))
+    field = '"truncatedAlerts": 0'
+    for literal, why in (("NaN", "NaN"), ("-Infinity", "Infinity"), ("9" * 5000, "digits"), ('"\xff"', "utf-8")):
+        body = good.replace(field, f'"truncatedAlerts": {literal}').encode("latin-1")
+        status, doc = raw_post(receiver, am, body, {"Authorization": "Bearer test-token"})
+        assert status == 400 and "not JSON" in doc["error"] and why in doc["error"], (status, doc)
+    assert tracebacks(caplog) == []
+
+
+def test_alerts_over_the_bound_are_a_400(receiver, am):
+    many = am.webhook(*[am.alert(NS, f"m{i}", sig.HIGH) for i in range(alerts.MAX_ALERTS + 1)])
+    code, doc = am.post(receiver, many)
+    assert code == 400 and f"at most {alerts.MAX_ALERTS}" in doc["error"]
+
+
+def test_a_start_time_that_cannot_be_written_back_is_a_400(api, receiver, am, caplog):
+    api.apply(obj(KIND, NS, "epoch"))  # no record yet: the alert would be written
+    for starts in ("0001-01-01T00:00:00+01:00", "0001-01-01T00:30:00+23:59"):
+        doc = am.webhook({**am.alert(NS, "epoch", sig.HIGH), "startsAt": starts})
+        code, answer = am.post(receiver, doc)
+        assert code == 400 and "alerts[0].startsAt" in answer["error"], (code, answer)
+    assert signals_on(api, KIND, NS, "epoch") is None
+    assert tracebacks(caplog) == []
+
+
+def test_a_request_that_cannot_be_read_is_a_400(receiver, am, caplog):
+    """What aiohttp's parser refuses, and a body it cannot decode: a JSON 400, no traceback."""
+    head = b"POST /alerts HTTP/1.1\r\nHost: kiln\r\nAuthorization: Bearer test-token\r\n"
+    for rest in (b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\nzz\r\n',  # a chunk size that is none
+                 b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\nabcde",
+                 b"Content-Encoding: gzip\r\nContent-Length: 5\r\n\r\nabcde"):  # gzip that is not
+        status, doc = am.send(receiver, head + rest)
+        assert status == 400 and isinstance(doc.get("error"), str), (rest, status, doc)
+    assert tracebacks(caplog) == []
