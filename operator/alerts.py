@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from aiohttp import web, web_protocol
+from aiohttp import HttpVersion11, web, web_protocol
 
 from kiln.operator import signals as sig
 from kiln.operator.kube import POOL_SIZE, ApiError, Kube
@@ -129,8 +129,8 @@ class Receiver:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/alerts", self.alerts)
-        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/alerts", self.alerts, expect_handler=_expect)
+        app.router.add_get("/metrics", self.prometheus, expect_handler=_expect)
         return app
 
     async def prometheus(self, _: web.Request) -> web.Response:
@@ -290,6 +290,18 @@ class Receiver:
         self._recent.move_to_end(key)
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """The Expect header as aiohttp answers it, but another than 100-continue is a JSON 417
+    (aiohttp's own refusal quotes the header into a body it cannot always encode: a 500)."""
+    if request.version != HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return web.json_response({"error": "only Expect: 100-continue is supported"}, status=417)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not started
+    return None
 
 
 def read_token(path: str) -> str:

@@ -144,3 +144,12 @@ def test_a_request_that_cannot_be_read_is_a_400(receiver, am, caplog):
         status, doc = am.send(receiver, head + rest)
         assert status == 400 and isinstance(doc.get("error"), str), (rest, status, doc)
     assert tracebacks(caplog) == []
+
+
+def test_an_expect_other_than_100_continue_is_a_417(receiver, am, caplog):
+    """aiohttp's own refusal quoted the header into a body it could not encode: a 500."""
+    body = json.dumps(am.webhook(am.alert(*TARGET[1:], sig.MISSING, fingerprint="expect"))).encode()
+    for expect, answer in ((b"\x80", 417), (b"nothing", 417), (b"100-continue", 200)):
+        status, doc = raw_post(receiver, am, body, {"Authorization": "Bearer test-token", "Expect": expect})
+        assert status == answer and ("error" in doc if status == 417 else doc == {"accepted": 1}), (expect, doc)
+    assert tracebacks(caplog) == []
