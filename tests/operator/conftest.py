@@ -190,7 +190,8 @@ RECEIVER_TOKEN, WATCHED_GLOB = "test-token", "watched*"
 @pytest.fixture(scope="module")
 def receiver(cluster):
     """A real alert receiver (`alerts.Server`) on loopback, its Kube against the emulator;
-    `alerts_url` as on OperatorThread, so `am.post(receiver, ...)` posts to it."""
+    `alerts_url` as on OperatorThread, so `am.post(receiver, ...)` posts to it; its `token`
+    and `watched` glob."""
     import datetime
     import fnmatch
     import types
@@ -203,7 +204,8 @@ def receiver(cluster):
                           lambda ns: fnmatch.fnmatchcase(ns, WATCHED_GLOB))
     port = free_port()
     server = alerts.Server(rec, port, "127.0.0.1").start()
-    yield types.SimpleNamespace(receiver=rec, port=port, alerts_url=f"http://127.0.0.1:{port}/alerts")
+    yield types.SimpleNamespace(receiver=rec, port=port, alerts_url=f"http://127.0.0.1:{port}/alerts",
+                                token=RECEIVER_TOKEN, watched=WATCHED_GLOB)
     server.stop()
 
 
