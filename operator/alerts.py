@@ -1,14 +1,23 @@
 """The Alertmanager webhook receiver: records scaling signals on the models they name.
 
 `POST /alerts` takes Alertmanager's webhook payload (version 4). It is authenticated (a
-bearer token from a Secret, compared in constant time: 401 otherwise), bounded (1 MiB: 413;
-at most MAX_ALERTS alerts), validated (400 with the reason), and idempotent: each alert is
-merged into the model's signal record (`signals.merge`), so a payload delivered twice, or by
-several Alertmanager replicas, changes the record once. Alerts are mapped to InferenceModels
-by their `namespace` and `model` labels; an unknown model is counted and logged, then
-ignored. The receiver decides nothing: writing the record wakes the model, and the scaling
-step (`scaling.py`) decides - on whichever operator replica leads, since any replica may
-receive. `GET /metrics` serves the operator's metrics.
+bearer token from a Secret, compared in constant time: 401 otherwise, whatever bytes the
+header holds), bounded (1 MiB: 413; READ_SECONDS: 408; at most MAX_ALERTS alerts, labels of
+at most MAX_LABEL_BYTES), validated (400 with the reason, strict JSON; a request aiohttp's
+parser refuses is a 400 too, `_Connection`): a client's mistake is never a 5xx. It is
+idempotent: each alert is merged into the model's signal record (`signals.merge`), so a
+payload delivered twice, or by several Alertmanager replicas, changes the record once.
+Alerts are mapped to InferenceModels by their `namespace` and `model` labels; an unknown
+model is counted and logged, then ignored. The receiver decides nothing: writing the record
+wakes the model, and the scaling step (`scaling.py`) decides - on whichever operator replica
+leads, since any replica may receive. `GET /metrics` serves the operator's metrics.
+
+The labels are the client's words in an API path, so the receiver writes only where they
+name an InferenceModel: an alert whose labels are no valid namespace and name (`../`, `?`,
+`/status`) is counted "invalid" and dropped while the rest of the payload applies (a 400
+would make Alertmanager drop the whole notification, and a retry cannot help it);
+`kube.path_for` quotes what remains, and the object read must be an InferenceModel of
+exactly that namespace and name before its record is patched.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web, web_protocol
 
 from kiln.operator import signals as sig
 from kiln.operator.kube import POOL_SIZE, ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
-from kiln.runtime.contract import KIND
+from kiln.runtime import spec as specmod
+from kiln.runtime.contract import API_VERSION, KIND
 
 logger = logging.getLogger("kiln.operator.alerts")
 
@@ -47,9 +57,11 @@ class Invalid(ValueError):
 def parse_payload(body: bytes) -> tuple[str, list[dict[str, Any]]]:
     """(groupKey, alerts) from a webhook payload; raises Invalid with the reason."""
     try:
-        data = json.loads(body)
-    except ValueError as e:
+        data = json.loads(body, parse_constant=_no_constant)
+    except ValueError as e:  # also bytes that are no UTF-8, an integer past Python's int-str limit
         raise Invalid(f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise Invalid("the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise Invalid("the payload must be a JSON object")
     if data.get("version") != "4":
@@ -83,6 +95,10 @@ def parse_payload(body: bytes) -> tuple[str, list[dict[str, Any]]]:
     return group_key, alerts
 
 
+def _no_constant(literal: str) -> None:
+    raise ValueError(f"{literal} is not a JSON number")
+
+
 def _value(annotations: Mapping[str, str]) -> float | None:
     try:
         value = float(annotations.get("value", ""))
@@ -113,8 +129,8 @@ class Receiver:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/alerts", self.alerts)
-        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/alerts", self.alerts, expect_handler=_expect)
+        app.router.add_get("/metrics", self.prometheus, expect_handler=_expect)
         return app
 
     async def prometheus(self, _: web.Request) -> web.Response:
@@ -129,7 +145,9 @@ class Receiver:
             self.metrics.receiver_seconds.observe(time.perf_counter() - started)
 
     async def _alerts(self, request: web.Request) -> web.Response:
-        given = request.headers.get("Authorization", "").encode()
+        # A header that is no UTF-8 reaches us with surrogates (aiohttp's surrogateescape):
+        # surrogatepass encodes any str, so it compares unequal instead of raising.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
         if not hmac.compare_digest(given, self._expected):
             self.metrics.alerts_received.labels("unauthorized").inc()
             return web.json_response({"error": "a valid bearer token is required"}, status=401,
@@ -142,6 +160,13 @@ class Receiver:
         except asyncio.TimeoutError:
             self.metrics.alerts_received.labels("invalid").inc()
             return web.json_response({"error": f"the body did not arrive within {READ_SECONDS:.0f} s"}, status=408)
+        except (web.RequestPayloadError, ConnectionError) as e:  # a broken chunk or encoding; a client gone
+            self.metrics.alerts_received.labels("invalid").inc()
+            response = web.json_response({"error": f"the body cannot be read: {' '.join(str(e).split())}"},
+                                         status=400)
+            response.force_close()
+            request.content.feed_eof()  # aiohttp's lingering read of the rest would raise it again, unhandled
+            return response
         try:
             group_key, alerts = parse_payload(body)
         except Invalid as e:
@@ -158,10 +183,18 @@ class Receiver:
         now = self.clock()
         by_model: dict[tuple[str, str], dict[str, sig.Signal]] = {}
         keys: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        invalid = None  # the first alert's labels that name no object (logged once a payload)
         for alert in alerts:
             labels = alert.get("labels") or {}
             name, ns, model = labels.get("alertname"), labels.get("namespace"), labels.get("model")
-            if name not in sig.ALERTS or not ns or not model or not self.watched(ns):
+            if name not in sig.ALERTS or not ns or not model:
+                tally["ignored"] += 1
+                continue
+            if not (specmod.is_namespace(ns) and specmod.is_name(model)):
+                tally["invalid"] += 1
+                invalid = invalid or (ns, model)
+                continue
+            if not self.watched(ns):
                 tally["ignored"] += 1
                 continue
             fingerprint = str(alert.get("fingerprint") or "")
@@ -174,6 +207,9 @@ class Receiver:
             mine = by_model.setdefault((ns, model), {})
             mine[name] = sig.merge(mine.get(name), incoming) or mine[name]
             keys.setdefault((ns, model), []).append(key)
+        if invalid:
+            logger.warning("%d alerts of group %r have labels that are no namespace and name (first: %r, %r): ignored",
+                           tally["invalid"], group_key, *invalid)
         models = list(by_model)
         results = await asyncio.gather(*(self._apply(ns, model, by_model[(ns, model)], group_key)
                                          for ns, model in models))
@@ -221,9 +257,15 @@ class Receiver:
         right by Alertmanager's next repeat)."""
         obj = await self.kube.get(KIND, ns, model)
         if obj is None:
-            logger.warning("alerts of group %s name %s/%s, which is no InferenceModel: ignored", group_key, ns, model)
+            logger.warning("alerts of group %r name %s/%s, which is no InferenceModel: ignored", group_key, ns, model)
             return None
-        record = sig.parse(obj["metadata"].get("annotations"))
+        meta = obj.get("metadata") or {}
+        read = (obj.get("apiVersion"), obj.get("kind"), meta.get("namespace"), meta.get("name"))
+        if read != (API_VERSION, KIND, ns, model):  # what answered is not what the alerts name: no write
+            logger.warning("alerts of group %r name %s/%s, but the API answered %s %s %s/%s, which is not the "
+                           "InferenceModel: ignored", group_key, ns, model, *read)
+            return None
+        record = sig.parse(meta.get("annotations"))
         changed = set()
         for name, signal in incoming.items():
             merged = sig.merge(record.get(name), signal)
@@ -248,6 +290,18 @@ class Receiver:
         self._recent.move_to_end(key)
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """The Expect header as aiohttp answers it, but another than 100-continue is a JSON 417
+    (aiohttp's own refusal quotes the header into a body it cannot always encode: a 500)."""
+    if request.version != HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return web.json_response({"error": "only Expect: 100-continue is supported"}, status=417)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not started
+    return None
 
 
 def read_token(path: str) -> str:
@@ -281,7 +335,7 @@ class Server:
     async def _start(self) -> None:
         # API calls run in threads (kube.py): as many as the client's connection pool.
         self._loop.set_default_executor(ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="kiln-alerts-api"))
-        self._runner = web.AppRunner(self.receiver.app(), access_log=None)
+        self._runner = _Runner(self.receiver.app(), access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
 
@@ -290,3 +344,35 @@ class Server:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+
+
+class _Connection(web_protocol.RequestHandler):
+    """A request aiohttp's parser refuses (a bad header line or chunk size, Content-Length
+    with Transfer-Encoding) is the client's mistake: a JSON 400 and one log line, where
+    aiohttp logs an error with a traceback."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        reason = " ".join((message or str(exc or "") or "bad request").split())[:200]
+        logger.info("refused a malformed request from %s: %s", request.remote, reason)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response was sent already; cannot send an error")
+        response = web.json_response({"error": reason}, status=status)
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose connections are `_Connection`s."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()  # starts and freezes the app
+        return _Server(server.request_handler, request_factory=server.request_factory,
+                       handler_cancellation=server.handler_cancellation, loop=server._loop, **server._kwargs)

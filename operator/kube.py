@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import os
+import urllib.parse
 import uuid
 from typing import Any, Mapping
 
@@ -52,16 +53,26 @@ class ApiError(Exception):
 
 
 def path_for(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+    """The API path of a kind's collection, or of one object (and its subresource). Each of
+    namespace, name and subresource is one path segment, quoted: nothing in them can change
+    the query or the path (the client resolves '..', the server decodes `%2F` into a
+    separator, so those are refused: ValueError). None leaves a part out."""
     api_version, plural, namespaced = KINDS[kind]
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    if namespaced and namespace:
-        base += f"/namespaces/{namespace}"
+    if namespaced and namespace is not None:
+        base += f"/namespaces/{_segment(namespace)}"
     base += f"/{plural}"
-    if name:
-        base += f"/{name}"
-    if subresource:
-        base += f"/{subresource}"
+    if name is not None:
+        base += f"/{_segment(name)}"
+    if subresource is not None:
+        base += f"/{_segment(subresource)}"
     return base
+
+
+def _segment(value: str) -> str:
+    if value in ("", ".", "..") or "/" in value:
+        raise ValueError(f"{value!r} is not an object's name or a subresource")
+    return urllib.parse.quote(value, safe="")
 
 
 def load_configuration(kubeconfig: str | None = None) -> Any:

@@ -27,7 +27,8 @@ class OperatorMetrics:
                                  "by direction (up, down, hold).", [*model, "direction"], registry=r)
         self.alerts_received = Counter(
             "kiln_alerts_received", "Alerts the receiver got, by result (accepted, duplicate, ignored, "
-            "unknown_model; and whole payloads refused: unauthorized, invalid, too_large).", ["result"], registry=r)
+            "unknown_model, invalid: labels that name no object; and whole payloads refused: unauthorized, "
+            "invalid, too_large).", ["result"], registry=r)
         self.receiver_seconds = Histogram("kiln_alert_receiver_duration_seconds",
                                           "From a webhook request's receipt to its answer.",
                                           buckets=RECEIVER_BUCKETS, registry=r)

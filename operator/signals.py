@@ -31,13 +31,16 @@ REFRESH_SECONDS = 10.0
 
 
 def parse_time(text: Any) -> datetime.datetime:
-    """RFC 3339 (Alertmanager's and Kubernetes' timestamps) to an aware datetime. Raises ValueError."""
+    """RFC 3339 (Alertmanager's and Kubernetes' timestamps) to a datetime in UTC. Raises ValueError."""
     if not isinstance(text, str) or not text:
         raise ValueError(f"expected an RFC 3339 timestamp, got {text!r}")
     value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     if value.tzinfo is None:
         raise ValueError(f"timestamp {text!r} has no time zone")
-    return value
+    try:
+        return value.astimezone(datetime.timezone.utc)
+    except OverflowError:  # 0001-01-01T00:00:00+01:00: no UTC time to record it as
+        raise ValueError(f"timestamp {text!r} is out of range in UTC") from None
 
 
 def format_time(value: datetime.datetime) -> str:

@@ -17,6 +17,8 @@ one source of truth; nothing here restates its fields.
   maxReplicas`); empty when the object is accepted. Same object-or-spec rule as above; a
   whole object's apiVersion, kind and metadata name and namespace are checked too. Never
   raises for a wrongly typed value anywhere in the object: that is a message too.
+- `is_name(s)`, `is_namespace(s)`: whether a string may name an InferenceModel, a namespace
+  (the same rules; the alert receiver checks its labels with them).
 
 Pure Python with PyYAML and jsonschema; cel-python is imported only when a CEL rule runs.
 """
@@ -273,6 +275,7 @@ _BLOCKING = frozenset({"type", "anyOf", "required", "enum", "maxLength", "maxIte
 # subdomain; metadata.namespace: a DNS-1123 label), with its messages.
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+MAX_NAME, MAX_NAMESPACE = 253, 63
 _SUBDOMAIN_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, "
                   "'-' or '.', and must start and end with an alphanumeric character (e.g. "
                   f"'example.com', regex used for validation is '{_SUBDOMAIN.pattern}')")
@@ -295,10 +298,20 @@ def _object_errors(obj: dict) -> list[str]:
         if meta.get("name") in (None, ""):
             errors.append("metadata.name: Required value")
         else:
-            errors += _name_errors("metadata.name", meta["name"], 253, _SUBDOMAIN, _SUBDOMAIN_MSG)
+            errors += _name_errors("metadata.name", meta["name"], MAX_NAME, _SUBDOMAIN, _SUBDOMAIN_MSG)
         if meta.get("namespace") not in (None, ""):
-            errors += _name_errors("metadata.namespace", meta["namespace"], 63, _LABEL, _LABEL_MSG)
+            errors += _name_errors("metadata.namespace", meta["namespace"], MAX_NAMESPACE, _LABEL, _LABEL_MSG)
     return errors
+
+
+def is_name(value: Any) -> bool:
+    """Whether `value` may be an InferenceModel's metadata.name."""
+    return isinstance(value, str) and len(value) <= MAX_NAME and _SUBDOMAIN.fullmatch(value) is not None
+
+
+def is_namespace(value: Any) -> bool:
+    """Whether `value` may be a namespace's name."""
+    return isinstance(value, str) and len(value) <= MAX_NAMESPACE and _LABEL.fullmatch(value) is not None
 
 
 def _name_errors(where: str, value: Any, max_len: int, pattern: re.Pattern, message: str) -> list[str]:

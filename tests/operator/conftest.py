@@ -182,6 +182,33 @@ def operator(cluster, prometheus):
 
 # ------------------------------------------------------------------ what Alertmanager posts
 
+# The receiver alone (no kopf): its namespaces as `--namespace 'watched*'` gives them (a glob
+# matches '/' too, so only a valid name keeps a label inside them).
+RECEIVER_TOKEN, WATCHED_GLOB = "test-token", "watched*"
+
+
+@pytest.fixture(scope="module")
+def receiver(cluster):
+    """A real alert receiver (`alerts.Server`) on loopback, its Kube against the emulator;
+    `alerts_url` as on OperatorThread, so `am.post(receiver, ...)` posts to it; its `token`
+    and `watched` glob."""
+    import datetime
+    import fnmatch
+    import types
+
+    from kiln.operator import alerts, kube
+    from kiln.operator.metrics import OperatorMetrics
+
+    rec = alerts.Receiver(kube.Kube(kube.load_client(str(cluster.kubeconfig))), RECEIVER_TOKEN, OperatorMetrics(),
+                          lambda: datetime.datetime.now(datetime.timezone.utc),
+                          lambda ns: fnmatch.fnmatchcase(ns, WATCHED_GLOB))
+    port = free_port()
+    server = alerts.Server(rec, port, "127.0.0.1").start()
+    yield types.SimpleNamespace(receiver=rec, port=port, alerts_url=f"http://127.0.0.1:{port}/alerts",
+                                token=RECEIVER_TOKEN, watched=WATCHED_GLOB)
+    server.stop()
+
+
 def _post_alerts(op, body, token: str | None = "test-token") -> tuple[int, dict]:
     import urllib.error
     import urllib.request
@@ -192,9 +219,30 @@ def _post_alerts(op, body, token: str | None = "test-token") -> tuple[int, dict]
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, _json(resp.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        return e.code, _json(e.read() or b"{}")
+
+
+def _json(body: bytes) -> dict:
+    try:
+        return json.loads(body)
+    except ValueError:  # aiohttp's own 500 is text
+        return {"not JSON": body[:200].decode(errors="replace")}
+
+
+def _send(op, data: bytes, timeout: float = 10) -> tuple[int, dict]:
+    """Raw bytes to the receiver (what no HTTP library sends): the answer's status and body."""
+    import http.client
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(op.alerts_url)
+    with socket.create_connection((url.hostname, url.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        answer = http.client.HTTPResponse(sock)
+        answer.begin()
+        return answer.status, _json(answer.read())
 
 
 def _alert(ns, name, alertname, status="firing", value="0.9", ago=0.0, fingerprint="fp1") -> dict:
@@ -215,7 +263,8 @@ def _webhook(*alerts, group="{}:{alertname=\"x\"}") -> dict:
 
 @pytest.fixture(scope="session")
 def am():
-    """Alertmanager's side of the webhook: `post(operator, payload, token=...)`, `alert(...)`, `webhook(...)`."""
+    """Alertmanager's side of the webhook: `post(operator, payload, token=...)`, `alert(...)`, `webhook(...)`;
+    and what Alertmanager would never send: `send(operator, raw_bytes)`."""
     import types
 
-    return types.SimpleNamespace(post=_post_alerts, alert=_alert, webhook=_webhook)
+    return types.SimpleNamespace(post=_post_alerts, alert=_alert, webhook=_webhook, send=_send)
