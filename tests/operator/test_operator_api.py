@@ -157,7 +157,8 @@ def test_example_manifest_builds_one_job_per_architecture(api, operator, manifes
     assert dep["spec"]["replicas"] == b.desired_replicas(m["spec"] | {"autoscaling": m["spec"].get("autoscaling", {})})
     # One Service for every pod; with the Gateway API the stable track's (the route weighs it against -canary).
     track = {b.LABEL_TRACK: b.STABLE} if b.gateway_api(m["spec"]) else {}
-    assert api.get("Service", ns, name)["spec"]["selector"] == {b.LABEL_MODEL: name, **track}
+    service = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")  # created right after the Deployment
+    assert service["spec"]["selector"] == {b.LABEL_MODEL: name, **track}
     roll_out(api, ns, name)
     st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10, "Ready")
     assert sorted(e["architecture"] for e in st["engines"]) == archs
