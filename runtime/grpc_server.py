@@ -210,7 +210,7 @@ class GrpcEndpoint:
                                              model.profiles)
             in_scheduler.append(True)
             parameters = _parameters(request.parameters)
-            tenant = request_tenant(parameters, lambda: dict(context.invocation_metadata() or ()))
+            tenant = request_tenant(parameters, lambda: context.invocation_metadata() or ())
             results = await model.infer(inputs, parameters, tenant)
         except ProtocolError as e:
             return _Refused(e.status, e.message, e.retry_after)

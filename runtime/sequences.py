@@ -33,11 +33,11 @@ drain waits for them), and any replica continues from the store. With store `mem
 state lives in this pod alone and ends with it.
 
 Errors are `SequenceError`s (a ProtocolError: the HTTP status and the message; gRPC maps
-the status): 400 bad sequence parameters, 404 no such sequence (unknown, ended, expired or
-another tenant's: the same answer), 409 the stored state belongs to another engine key or a
-step raced another replica past the retries, 429 a bound (the message says which), 500 a
-stored state whose digest does not match (discarded, never used), 503 with Retry-After
-when the store cannot be reached in time.
+the status): 400 bad sequence parameters or tenant header, 404 no such sequence (unknown,
+ended, expired or another tenant's: the same answer), 409 the stored state belongs to
+another engine key or a step raced another replica past the retries, 429 a bound (the
+message says which), 500 a stored state whose digest does not match (discarded, never
+used), 503 with Retry-After when the store cannot be reached in time.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import secrets
 import struct
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -72,7 +72,13 @@ DEFAULT_MAX_BYTES_TOTAL = 1 << 30
 DEFAULT_STORE_TIMEOUT_MS = 1000
 # The tenant: the header a gateway sets (and strips from clients), else the bearer token.
 TENANT_HEADER = "Kiln-Tenant"
-MAX_TENANT_CHARS = 256
+# A longer tenant is refused, never cut: a cut makes two identities one tenant.
+MAX_TENANT_BYTES = 4096
+# What both doors deliver alike: gRPC's legal metadata values. Beyond them aiohttp and gRPC
+# decode the same bytes differently (surrogates, latin-1), so one identity could be two.
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+# HTTP's optional whitespace: never part of an HTTP value, so not of a gRPC one either.
+_OWS = " \t"
 # A string sequence_id: what is safe in a Redis key and a log line.
 _SEQUENCE_ID = re.compile(r"[A-Za-z0-9._~:@+=-]{1,128}")
 _MAX_SEQUENCE_INT = 2 ** 64 - 1
@@ -275,24 +281,52 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def tenant_of(headers: Mapping[str, str]) -> str:
+def tenant_of(headers: Iterable[tuple[str, str]]) -> str:
     """The tenant a request's sequences belong to: the `Kiln-Tenant` header (which the
     gateway in front of Kiln sets from the caller's identity, and strips when a client sends
     it), else the sha256 of the `Authorization` header (the bearer token), else "" (every
-    anonymous caller is one tenant). Works on aiohttp headers and on gRPC metadata (keys in
-    lower case) alike."""
-    get = headers.get
-    tenant = get(TENANT_HEADER) or get(TENANT_HEADER.lower())
-    if tenant:
-        return "h:" + tenant.strip()[:MAX_TENANT_CHARS]
-    token = get("Authorization") or get("authorization")
-    if token:
-        return "t:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    anonymous caller is one tenant).
+
+    `headers`: every (name, value) pair as received, repeats included: aiohttp's
+    `headers.items()` and gRPC's invocation metadata alike, so both doors decide the same.
+    400 for a repeated header (the first would win over HTTP, the last over gRPC), an
+    empty one, one over MAX_TENANT_BYTES, or one that is not printable ASCII."""
+    tenants, tokens = [], []
+    for name, value in headers:
+        key = name.lower()
+        if key == TENANT_HEADER.lower():
+            tenants.append(value)
+        elif key == "authorization":
+            tokens.append(value)
+    if tenants:
+        return "h:" + _identity(TENANT_HEADER, tenants, MAX_TENANT_BYTES)
+    if tokens:
+        return "t:" + hashlib.sha256(_identity("Authorization", tokens).encode()).hexdigest()
     return ""
 
 
+def _identity(header: str, values: list[str], most: int | None = None) -> str:
+    if len(values) > 1:
+        raise SequenceError(400, f"the request has {len(values)} {header} headers; it belongs "
+                                 f"to one tenant (a gateway must replace the header, not add "
+                                 f"another)")
+    value = values[0].strip(_OWS)
+    if not value:
+        raise SequenceError(400, f"the {header} header is empty; it names the tenant that owns "
+                                 f"the request's sequence")
+    if most is not None and len(value) > most:
+        raise SequenceError(400, f"the {header} header has {len(value)} characters; a tenant "
+                                 f"has at most {most} (it is never cut short: two tenants "
+                                 f"would become one)")
+    printable = _PRINTABLE_ASCII.match(value).end()
+    if printable < len(value):
+        raise SequenceError(400, f"the {header} header must be printable ASCII (0x20-0x7E): "
+                                 f"character {printable + 1} is not")
+    return value
+
+
 def request_tenant(parameters: Mapping[str, Any] | None,
-                   headers: Callable[[], Mapping[str, str]]) -> str:
+                   headers: Callable[[], Iterable[tuple[str, str]]]) -> str:
     """The tenant of a request that names a sequence (`tenant_of` its `headers()`), else ""
     without reading them: stateless requests pay nothing for tenancy."""
     return tenant_of(headers()) if parameters and "sequence_id" in parameters else ""
