@@ -35,9 +35,10 @@ state lives in this pod alone and ends with it.
 Errors are `SequenceError`s (a ProtocolError: the HTTP status and the message; gRPC maps
 the status): 400 bad sequence parameters or tenant header, 404 no such sequence (unknown,
 ended, expired or another tenant's: the same answer), 409 the stored state belongs to
-another engine key or a step raced another replica past the retries, 429 a bound (the
-message says which), 500 a stored state whose digest does not match (discarded, never
-used), 503 with Retry-After when the store cannot be reached in time.
+another engine key, or does not fit the model's state inputs (discarded), or a step raced
+another replica past the retries, 429 a bound (the message says which), 500 a stored state
+whose digest does not match (discarded, never used), 503 with Retry-After when the store
+cannot be reached in time.
 """
 
 from __future__ import annotations
@@ -438,6 +439,23 @@ def decode_state(blob: bytes) -> StoredState:
             array = array.astype(dtype)
         arrays[name] = array.reshape(shape)
     return StoredState(engine_key, step, incarnation, arrays)
+
+
+def _misfit(tensors: Mapping[str, np.ndarray], inputs: Mapping[str, TensorSpec]) -> str | None:
+    """Why stored state tensors cannot be the model's state inputs (names, datatypes, ranks,
+    fixed dimensions), or None when they can."""
+    if set(tensors) != set(inputs):
+        return f"it has tensors {sorted(tensors)}, the model's state inputs are {sorted(inputs)}"
+    for name, array in tensors.items():
+        spec = inputs[name]
+        if array.dtype != DATATYPES[spec.datatype]:
+            return (f"{name!r} is {datatype_of(array)}, the model's input is "
+                    f"{_describe_tensor(spec)}")
+        if len(array.shape) != len(spec.shape) or any(
+                d >= 0 and d != got for d, got in zip(spec.shape, array.shape)):
+            return (f"{name!r} has shape {list(array.shape)}, the model's input is "
+                    f"{_describe_tensor(spec)}")
+    return None
 
 
 # ------------------------------------------------------------------------------ stores
@@ -887,10 +905,7 @@ class SequenceManager:
         except CorruptState as e:
             log.error("model %s: the stored state of %s is corrupt (%s); discarding it",
                       self.model, key, e)
-            try:
-                await self.store.delete(key, None)
-            except (StoreUnavailable, StoreFull):
-                pass
+            await self._discard(key, None)
             raise SequenceError(500, f"the stored state of sequence {shown_id} is corrupt ({e}); "
                                      f"it was discarded, not used: start the sequence again") from None
         if state.engine_key != self.engine_key:
@@ -899,13 +914,23 @@ class SequenceManager:
                                      f"{self.engine_key} (another model version or build): a "
                                      f"state is never fed to another engine. Finish it on a "
                                      f"replica of its engine, or start a new sequence")
-        want = {i: self._inputs[i] for i in self._pairs}
-        if set(state.tensors) != set(want) or any(
-                a.dtype != DATATYPES[want[n].datatype] for n, a in state.tensors.items()):
-            raise SequenceError(409, f"the stored state of sequence {shown_id} has tensors "
-                                     f"{sorted(state.tensors)}; this model's state inputs are "
-                                     f"{sorted(want)}")
+        misfit = _misfit(state.tensors, {i: self._inputs[i] for i in self._pairs})
+        if misfit:
+            # No replica of this engine can run it: fed to the engine, it would fail there
+            # (and count against the pod's health) at every retry until it expired.
+            log.warning("model %s: the stored state of %s does not fit the model (%s); "
+                        "discarding it", self.model, key, misfit)
+            await self._discard(key, state.token)
+            raise SequenceError(409, f"the stored state of sequence {shown_id} does not fit "
+                                     f"this model's state inputs: {misfit}; it was discarded, "
+                                     f"not used: start the sequence again")
         return state
+
+    async def _discard(self, key: str, token: bytes | None) -> None:
+        try:
+            await self.store.delete(key, token)
+        except (StoreUnavailable, StoreFull):
+            pass  # it expires; until then every read refuses it again
 
     async def _encode(self, state: StoredState) -> bytes:
         if state.nbytes > _THREAD_BYTES:  # hashing and copying 64 MB takes tens of ms

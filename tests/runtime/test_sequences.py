@@ -361,6 +361,31 @@ async def test_a_corrupt_state_is_an_error_not_data():
     assert len(store) == 0
 
 
+async def test_a_state_of_the_wrong_shape_is_refused_and_discarded():
+    """Issue 19, item 4: a state with a valid digest but a shape the model's state input
+    cannot take is a 409 that says so, and gone from the store: never fed to the engine."""
+    store = sq.MemoryStore()
+    engine = NumpyRnn()
+    m = manager(store, engine=engine)
+    key = m.key("", "bad")
+    blob = sq.encode_state(sq.StoredState("key-1", 1, "0123456789abcdef",
+                                          {"h": np.zeros((1, 8), np.float32)}), "rnn")
+    await store.put(key, blob, None, 60_000)
+    e = await refused(m.step(x(1), params("bad")))
+    assert (e.status, e.message) == (409, (
+        "the stored state of sequence 'bad' does not fit this model's state inputs: 'h' has "
+        "shape [1, 8], the model's input is FP32 [1, 6]; it was discarded, not used: start "
+        "the sequence again"))
+    assert len(store) == 0 and engine.calls == 0
+    e = await refused(m.step(x(1), params("bad")))
+    assert e.status == 404  # gone: a retry does not meet it again
+    await store.put(key, sq.encode_state(sq.StoredState(
+        "key-1", 1, "0123456789abcdef", {"h": np.zeros((1, H), np.int64)}), "rnn"), None, 60_000)
+    e = await refused(m.step(x(1), params("bad")))
+    assert e.status == 409 and "'h' is INT64, the model's input is FP32 [1, 6]" in e.message
+    assert len(store) == 0 and engine.calls == 0
+
+
 async def test_memory_is_a_bounded_cache_of_the_store():
     store = sq.MemoryStore()
     m = manager(store, maxLiveSequences=2)
@@ -729,6 +754,38 @@ def test_bounds_over_http_are_429_with_the_reason(engines):
         assert post(served.port, "rnn", one, params(1, start=True))[0] == 200
         status, headers, doc = post(served.port, "rnn", one, params(2, start=True))
         assert status == 429 and "maxLiveSequences (1)" in doc["error"] and "Retry-After" in headers
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("store", ["memory", pytest.param("redis", marks=needs_redis)])
+def test_a_bad_state_never_takes_the_replica_out_of_service(engines, request, store):
+    """Issue 19, item 4: a stored state of the wrong shape (valid digest) is refused and
+    discarded before the engine, as often as it is written: the replica stays ready."""
+    root, rels = engines
+    runtime = {"sequences": {"states": RNN_STATES, "store": {"type": store}}}
+    if store == "redis":
+        runtime["sequences"]["store"]["address"] = request.getfixturevalue("redis_server").address
+    served = Served(root, "rnn", rels["rnn"], runtime)
+    sequences = served.model.sequences
+    if store == "memory":  # the one store a test can write into without a server
+        sequences.store = sq.MemoryStore()
+    key = sequences.key("", "bad")
+    blob = sq.encode_state(sq.StoredState(sequences.engine_key, 1, "0123456789abcdef",
+                                          {"h": np.ones((1, 8), np.float32)}), "rnn")
+    try:
+        for _ in range(6):
+            served.call(sequences.store.put(key, blob, None, 60_000))
+            status, _, doc = post(served.port, "rnn", {"x": rnn_x(1)}, params("bad"))
+            assert (status, doc["error"]) == (409, (
+                "the stored state of sequence 'bad' does not fit this model's state inputs: "
+                "'h' has shape [1, 8], the model's input is FP32 [1, 32]; it was discarded, "
+                "not used: start the sequence again"))
+            assert served.call(sequences.store.get(key)) is None
+        assert get(served.port, "/v2/health/ready")[0] == 200
+        got = [post(served.port, "rnn", {"x": rnn_x(i)}, params("good", start=(i == 0)))[2]["y"]
+               for i in range(2)]
+        assert same([(y,) for y in got], reference_run("rnn", 2))
     finally:
         served.close()
 
