@@ -63,7 +63,7 @@ from kiln.runtime.contract import FRONT_END_SHM_BYTES, MAX_AUTO_FRONT_END_WORKER
 from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.model import LOADING, STOPPED
 from kiln.runtime.protocol import ProtocolError
-from kiln.runtime.scheduler import ExecutionFailed, SchedulerError, ShuttingDown
+from kiln.runtime.scheduler import ExecutionFailed, InvalidBatch, SchedulerError, ShuttingDown
 from kiln.runtime.server import (InferenceServer, address, error_response, run_event_loop,
                                  run_until_stopped)
 
@@ -488,6 +488,13 @@ class EngineLink:
                 future.cancel()
             return
         except Exception as e:
+            if isinstance(e, InvalidBatch) and len(members) > 1:
+                # The engine refused one member's data: each goes again alone, so only its
+                # own sender hears of it (as the engine's scheduler does with its batches).
+                for member in members:
+                    if not member[2].done():
+                        self._start_group(name, [member])
+                return
             for _, _, future in members:
                 if not future.done():
                     future.set_exception(e)

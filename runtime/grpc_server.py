@@ -15,17 +15,19 @@ Every check on shapes, ranks, datatypes, profiles and the batch is `protocol`'s,
 same messages as over HTTP. HTTP statuses map to gRPC codes (`CODES`): 400 INVALID_ARGUMENT,
 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED (with a `retry-after` trailer), 503 UNAVAILABLE
 (draining, a model not loaded), 500 INTERNAL. A message over --max-body-bytes is refused
-by gRPC itself (RESOURCE_EXHAUSTED) before it is decoded.
+by gRPC itself (RESOURCE_EXHAUSTED) before it is decoded; bytes that are not the method's
+message are INVALID_ARGUMENT (the handlers parse them, `_parsing`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kiln import __version__
 from kiln.runtime import grpc_service_pb2 as pb
@@ -92,6 +94,26 @@ async def _abort(context: grpc.aio.ServicerContext, refused: _Refused) -> None:
     await context.abort(refused.code, refused.message, trailing_metadata=trailers)
 
 
+def _parsing(handler: Callable[[Any, Any], Awaitable[Any]], message_type: Any
+             ) -> Callable[[bytes, Any], Awaitable[Any]]:
+    """`handler` on the message parsed from the request's bytes; bytes that are not one
+    (garbage, cut short, a string field that is not UTF-8) are INVALID_ARGUMENT."""
+    name = message_type.DESCRIPTOR.full_name
+
+    async def parse_then_handle(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = message_type.FromString(data)
+        except DecodeError:  # upb's message names the type only
+            log.info("gRPC: refused %d bytes that are not a valid %s", len(data), name)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the message is not a valid {name}: protobuf cannot parse its "
+                                f"{len(data)} bytes (malformed, cut short, or a string that is "
+                                f"not UTF-8)")  # raises: the call ends here
+        return await handler(request, context)
+
+    return parse_then_handle
+
+
 def _outcome(result: Any) -> str:
     if isinstance(result, _Refused):
         return _OUTCOMES.get(result.code, "error")
@@ -133,13 +155,14 @@ class GrpcEndpoint:
 
     def _handlers(self) -> grpc.GenericRpcHandler:
         """One handler per method of the service in the .proto, each this class's method of
-        that name (so a method the proto adds and this class lacks fails at start)."""
+        that name (so a method the proto adds and this class lacks fails at start). Each
+        gets the request's bytes (no request_deserializer) and parses them itself: gRPC's
+        own failure to parse answers UNKNOWN and logs a traceback."""
         service = pb.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
         methods = {}
         for method in service.methods:
             methods[method.name] = grpc.unary_unary_rpc_method_handler(
-                getattr(self, method.name),
-                request_deserializer=getattr(pb, method.input_type.name).FromString,
+                _parsing(getattr(self, method.name), getattr(pb, method.input_type.name)),
                 response_serializer=lambda message: message.SerializeToString())
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
@@ -210,7 +233,7 @@ class GrpcEndpoint:
                                              model.profiles)
             in_scheduler.append(True)
             parameters = _parameters(request.parameters)
-            tenant = request_tenant(parameters, lambda: dict(context.invocation_metadata() or ()))
+            tenant = request_tenant(parameters, lambda: context.invocation_metadata() or ())
             results = await model.infer(inputs, parameters, tenant)
         except ProtocolError as e:
             return _Refused(e.status, e.message, e.retry_after)

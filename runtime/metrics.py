@@ -39,7 +39,7 @@ class ServerMetrics:
             "backend, the autoscaler's signal where no GPU metric exists.",
             ["model", "version"], registry=r)
         self.executions = Counter(
-            "kiln_executions", "Batch executions by outcome (success, retried, failed).",
+            "kiln_executions", "Batch executions by outcome (success, retried, failed, refused).",
             ["model", "outcome"], registry=r)
         self.context_recreations = Counter(
             "kiln_context_recreations", "Execution contexts recreated after a failure.",

@@ -5,7 +5,9 @@ keeps serving (ONNX Runtime, TensorRT and numpy release the GIL while they compu
 A failed execution closes its context, creates a fresh one from the same loaded engine
 (never reloading the engine) and retries the batch, a bounded number of times. After
 `unhealthy_after` consecutive batches fail every attempt the pool reports unhealthy
-(the model turns not-ready); the next successful batch makes it healthy again.
+(the model turns not-ready); the next successful batch makes it healthy again. A batch
+the engine refuses for its inputs (`InvalidInputError`) is neither retried nor counted:
+it is the data's fault, and one client's data must not take the pod out of service.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from kiln.runtime.backends.base import ExecutionContext, LoadedEngine
+from kiln.runtime.backends.base import ExecutionContext, InvalidInputError, LoadedEngine
 from kiln.runtime.metrics import ServerMetrics
 
 MAX_CONTEXTS = 16  # the CRD's bound on runtime.contextsPerGPU
@@ -64,7 +66,8 @@ class ContextPool:
         self.max_retries = max_retries
         self.unhealthy_after = unhealthy_after
         self._clock = clock
-        self._executions = {o: metrics.executions.labels(model, o) for o in ("success", "retried", "failed")}
+        self._executions = {o: metrics.executions.labels(model, o)
+                            for o in ("success", "retried", "failed", "refused")}
         self._recreations = metrics.context_recreations.labels(model)
         self._busy = metrics.engine_busy_seconds.labels(model, version)
         self._recovery = metrics.context_recovery_seconds.labels(model)
@@ -140,6 +143,9 @@ class ContextPool:
                 if slot.context is None:  # an earlier recreation failed: try again now
                     self._recreate(slot)
                 outputs = slot.context.run(inputs)  # type: ignore[union-attr]
+            except InvalidInputError:
+                self._executions["refused"].inc()
+                raise  # the context is fine, and would refuse these inputs again
             except Exception as e:  # noqa: BLE001 - any engine failure is retried on a fresh context
                 last_error = e
                 if first_failure is None:

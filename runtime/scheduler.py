@@ -9,8 +9,9 @@ execution context, then forms the next batch (runtime/batching.py decides when) 
 it to that context's thread (runtime/pool.py). Results go back to each request by its
 rows; a failed batch fails its own requests and no others.
 
-Errors the server maps to HTTP: `InvalidBatch` -> 400, `Overloaded` -> 429 with
-Retry-After (`ShuttingDown`, a subclass, while draining), `ExecutionFailed` -> 500.
+Errors the server maps to HTTP: `InvalidBatch` -> 400 (also the engine refusing a request's
+inputs, which never counts toward health), `Overloaded` -> 429 with Retry-After
+(`ShuttingDown`, a subclass, while draining), `ExecutionFailed` -> 500.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Callable, Hashable, Mapping
 import numpy as np
 
 from kiln.runtime import batching
-from kiln.runtime.backends.base import LoadedEngine
+from kiln.runtime.backends.base import InvalidInputError, LoadedEngine
 from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.pool import ContextPool, ExecutionError, Slot
 from kiln.runtime.resultcache import ResultCache, ResultCacheConfig
@@ -396,32 +397,47 @@ class Scheduler:
 
     async def _execute(self, slot: Slot, batch: list[_Request]) -> None:
         try:
-            rows = [r.rows for r in batch]
-            inputs = batching.concat([r.inputs for r in batch])
-            self._m_batch_size.observe(sum(rows))
-            try:
-                result = await self.pool.run(slot, inputs)
-            except ExecutionError as e:
-                error = ExecutionFailed(f"execution failed after {e.attempts} attempts: {e}")
-                for req in batch:
-                    self._fail(req, error)
-                return
-            self._m_compute_seconds.observe(result.seconds)
-            self._batch_seconds = result.seconds if self._batch_seconds is None else (
-                _EWMA * result.seconds + (1 - _EWMA) * self._batch_seconds)
-            try:
-                parts = batching.split(result.outputs, rows) if self._batch_requests else [result.outputs]
-            except ValueError as e:
-                error = ExecutionFailed(str(e))
-                for req in batch:
-                    self._fail(req, error)
-                return
-            for req, part in zip(batch, parts):
-                if not req.future.done():
-                    req.future.set_result(part)
+            await self._run(slot, batch)
         except Exception as e:  # noqa: BLE001 - never leave a request waiting forever
             for req in batch:
                 self._fail(req, ExecutionFailed(f"{type(e).__name__}: {e}"))
         finally:
             self._executing.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             self.pool.release(slot)
+
+    async def _run(self, slot: Slot, batch: list[_Request]) -> None:
+        """Run `batch` on `slot` and settle each of its requests."""
+        rows = [r.rows for r in batch]
+        inputs = batching.concat([r.inputs for r in batch])
+        self._m_batch_size.observe(sum(rows))
+        try:
+            result = await self.pool.run(slot, inputs)
+        except InvalidInputError as e:
+            if len(batch) == 1:
+                self._fail(batch[0], InvalidBatch(str(e)))
+                return
+            # One request's data refused fails the whole batch: each runs alone, so only
+            # its own sender hears of it.
+            for req in batch:
+                if not req.future.done():
+                    await self._run(slot, [req])
+            return
+        except ExecutionError as e:
+            error = ExecutionFailed(f"execution failed after {e.attempts} attempts: {e}")
+            for req in batch:
+                self._fail(req, error)
+            return
+        self._m_compute_seconds.observe(result.seconds)
+        self._batch_seconds = result.seconds if self._batch_seconds is None else (
+            _EWMA * result.seconds + (1 - _EWMA) * self._batch_seconds)
+        try:
+            parts = (batching.split(result.outputs, rows) if self._batch_requests
+                     else [result.outputs])
+        except ValueError as e:
+            error = ExecutionFailed(str(e))
+            for req in batch:
+                self._fail(req, error)
+            return
+        for req, part in zip(batch, parts):
+            if not req.future.done():
+                req.future.set_result(part)

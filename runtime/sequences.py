@@ -33,11 +33,12 @@ drain waits for them), and any replica continues from the store. With store `mem
 state lives in this pod alone and ends with it.
 
 Errors are `SequenceError`s (a ProtocolError: the HTTP status and the message; gRPC maps
-the status): 400 bad sequence parameters, 404 no such sequence (unknown, ended, expired or
-another tenant's: the same answer), 409 the stored state belongs to another engine key or a
-step raced another replica past the retries, 429 a bound (the message says which), 500 a
-stored state whose digest does not match (discarded, never used), 503 with Retry-After
-when the store cannot be reached in time.
+the status): 400 bad sequence parameters or tenant header, 404 no such sequence (unknown,
+ended, expired or another tenant's: the same answer), 409 the stored state belongs to
+another engine key, or does not fit the model's state inputs (discarded), or a step raced
+another replica past the retries, 429 a bound (the message says which), 500 a stored state
+whose digest does not match (discarded, never used), 503 with Retry-After when the store
+cannot be reached in time.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import secrets
 import struct
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -72,7 +73,13 @@ DEFAULT_MAX_BYTES_TOTAL = 1 << 30
 DEFAULT_STORE_TIMEOUT_MS = 1000
 # The tenant: the header a gateway sets (and strips from clients), else the bearer token.
 TENANT_HEADER = "Kiln-Tenant"
-MAX_TENANT_CHARS = 256
+# A longer tenant is refused, never cut: a cut makes two identities one tenant.
+MAX_TENANT_BYTES = 4096
+# What both doors deliver alike: gRPC's legal metadata values. Beyond them aiohttp and gRPC
+# decode the same bytes differently (surrogates, latin-1), so one identity could be two.
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+# HTTP's optional whitespace: never part of an HTTP value, so not of a gRPC one either.
+_OWS = " \t"
 # A string sequence_id: what is safe in a Redis key and a log line.
 _SEQUENCE_ID = re.compile(r"[A-Za-z0-9._~:@+=-]{1,128}")
 _MAX_SEQUENCE_INT = 2 ** 64 - 1
@@ -275,24 +282,52 @@ def _bool_param(params: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def tenant_of(headers: Mapping[str, str]) -> str:
+def tenant_of(headers: Iterable[tuple[str, str]]) -> str:
     """The tenant a request's sequences belong to: the `Kiln-Tenant` header (which the
     gateway in front of Kiln sets from the caller's identity, and strips when a client sends
     it), else the sha256 of the `Authorization` header (the bearer token), else "" (every
-    anonymous caller is one tenant). Works on aiohttp headers and on gRPC metadata (keys in
-    lower case) alike."""
-    get = headers.get
-    tenant = get(TENANT_HEADER) or get(TENANT_HEADER.lower())
-    if tenant:
-        return "h:" + tenant.strip()[:MAX_TENANT_CHARS]
-    token = get("Authorization") or get("authorization")
-    if token:
-        return "t:" + hashlib.sha256(token.strip().encode()).hexdigest()
+    anonymous caller is one tenant).
+
+    `headers`: every (name, value) pair as received, repeats included: aiohttp's
+    `headers.items()` and gRPC's invocation metadata alike, so both doors decide the same.
+    400 for a repeated header (the first would win over HTTP, the last over gRPC), an
+    empty one, one over MAX_TENANT_BYTES, or one that is not printable ASCII."""
+    tenants, tokens = [], []
+    for name, value in headers:
+        key = name.lower()
+        if key == TENANT_HEADER.lower():
+            tenants.append(value)
+        elif key == "authorization":
+            tokens.append(value)
+    if tenants:
+        return "h:" + _identity(TENANT_HEADER, tenants, MAX_TENANT_BYTES)
+    if tokens:
+        return "t:" + hashlib.sha256(_identity("Authorization", tokens).encode()).hexdigest()
     return ""
 
 
+def _identity(header: str, values: list[str], most: int | None = None) -> str:
+    if len(values) > 1:
+        raise SequenceError(400, f"the request has {len(values)} {header} headers; it belongs "
+                                 f"to one tenant (a gateway must replace the header, not add "
+                                 f"another)")
+    value = values[0].strip(_OWS)
+    if not value:
+        raise SequenceError(400, f"the {header} header is empty; it names the tenant that owns "
+                                 f"the request's sequence")
+    if most is not None and len(value) > most:
+        raise SequenceError(400, f"the {header} header has {len(value)} characters; a tenant "
+                                 f"has at most {most} (it is never cut short: two tenants "
+                                 f"would become one)")
+    printable = _PRINTABLE_ASCII.match(value).end()
+    if printable < len(value):
+        raise SequenceError(400, f"the {header} header must be printable ASCII (0x20-0x7E): "
+                                 f"character {printable + 1} is not")
+    return value
+
+
 def request_tenant(parameters: Mapping[str, Any] | None,
-                   headers: Callable[[], Mapping[str, str]]) -> str:
+                   headers: Callable[[], Iterable[tuple[str, str]]]) -> str:
     """The tenant of a request that names a sequence (`tenant_of` its `headers()`), else ""
     without reading them: stateless requests pay nothing for tenancy."""
     return tenant_of(headers()) if parameters and "sequence_id" in parameters else ""
@@ -404,6 +439,23 @@ def decode_state(blob: bytes) -> StoredState:
             array = array.astype(dtype)
         arrays[name] = array.reshape(shape)
     return StoredState(engine_key, step, incarnation, arrays)
+
+
+def _misfit(tensors: Mapping[str, np.ndarray], inputs: Mapping[str, TensorSpec]) -> str | None:
+    """Why stored state tensors cannot be the model's state inputs (names, datatypes, ranks,
+    fixed dimensions), or None when they can."""
+    if set(tensors) != set(inputs):
+        return f"it has tensors {sorted(tensors)}, the model's state inputs are {sorted(inputs)}"
+    for name, array in tensors.items():
+        spec = inputs[name]
+        if array.dtype != DATATYPES[spec.datatype]:
+            return (f"{name!r} is {datatype_of(array)}, the model's input is "
+                    f"{_describe_tensor(spec)}")
+        if len(array.shape) != len(spec.shape) or any(
+                d >= 0 and d != got for d, got in zip(spec.shape, array.shape)):
+            return (f"{name!r} has shape {list(array.shape)}, the model's input is "
+                    f"{_describe_tensor(spec)}")
+    return None
 
 
 # ------------------------------------------------------------------------------ stores
@@ -853,10 +905,7 @@ class SequenceManager:
         except CorruptState as e:
             log.error("model %s: the stored state of %s is corrupt (%s); discarding it",
                       self.model, key, e)
-            try:
-                await self.store.delete(key, None)
-            except (StoreUnavailable, StoreFull):
-                pass
+            await self._discard(key, None)
             raise SequenceError(500, f"the stored state of sequence {shown_id} is corrupt ({e}); "
                                      f"it was discarded, not used: start the sequence again") from None
         if state.engine_key != self.engine_key:
@@ -865,13 +914,23 @@ class SequenceManager:
                                      f"{self.engine_key} (another model version or build): a "
                                      f"state is never fed to another engine. Finish it on a "
                                      f"replica of its engine, or start a new sequence")
-        want = {i: self._inputs[i] for i in self._pairs}
-        if set(state.tensors) != set(want) or any(
-                a.dtype != DATATYPES[want[n].datatype] for n, a in state.tensors.items()):
-            raise SequenceError(409, f"the stored state of sequence {shown_id} has tensors "
-                                     f"{sorted(state.tensors)}; this model's state inputs are "
-                                     f"{sorted(want)}")
+        misfit = _misfit(state.tensors, {i: self._inputs[i] for i in self._pairs})
+        if misfit:
+            # No replica of this engine can run it: fed to the engine, it would fail there
+            # (and count against the pod's health) at every retry until it expired.
+            log.warning("model %s: the stored state of %s does not fit the model (%s); "
+                        "discarding it", self.model, key, misfit)
+            await self._discard(key, state.token)
+            raise SequenceError(409, f"the stored state of sequence {shown_id} does not fit "
+                                     f"this model's state inputs: {misfit}; it was discarded, "
+                                     f"not used: start the sequence again")
         return state
+
+    async def _discard(self, key: str, token: bytes | None) -> None:
+        try:
+            await self.store.delete(key, token)
+        except (StoreUnavailable, StoreFull):
+            pass  # it expires; until then every read refuses it again
 
     async def _encode(self, state: StoredState) -> bytes:
         if state.nbytes > _THREAD_BYTES:  # hashing and copying 64 MB takes tens of ms

@@ -422,7 +422,7 @@ class InferenceServer:
             del body, parse
             in_scheduler.append(True)
             results = await model.infer(req.inputs, req.parameters,
-                                        request_tenant(req.parameters, lambda: request.headers))
+                                        request_tenant(req.parameters, request.headers.items))
             missing = [o.name for o in req.outputs if o.name not in results]
             if missing:
                 return error_response(500, f"the engine returned no {', '.join(missing)}")

@@ -37,6 +37,12 @@ class InvalidModelError(BackendError):
     """The ONNX model is malformed or cannot be parsed by the backend."""
 
 
+class InvalidInputError(BackendError):
+    """The engine refused a batch for its inputs (a shape, datatype or value the model
+    cannot take), not for a fault of its own: a fresh context would refuse it the same way,
+    and it says nothing about the engine's health."""
+
+
 class InvalidProfileError(BackendError):
     """The shape profiles do not fit the model's inputs (unknown input, rank, min > max)."""
 

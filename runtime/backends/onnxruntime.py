@@ -15,8 +15,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from kiln.runtime.backends.base import (BackendError, BuildOptions, InvalidModelError,
-                                        ShapeRange, TensorSpec, UnsupportedError)
+from kiln.runtime.backends.base import (BackendError, BuildOptions, InvalidInputError,
+                                        InvalidModelError, ShapeRange, TensorSpec,
+                                        UnsupportedError)
 from kiln.runtime.backends.shapes import validate_profiles
 
 THREADS_ENV = "KILN_ORT_INTRA_OP_THREADS"
@@ -226,6 +227,11 @@ class OrtContext:
         try:
             results = session.run(self._engine._output_names, dict(inputs))
         except Exception as e:
+            from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+            if isinstance(e, InvalidArgument):  # the feeds: a shape, a type, an index past the end
+                raise InvalidInputError(f"ONNX Runtime refused the inputs: "
+                                        f"{' '.join(str(e).split())}") from None
             raise BackendError(f"ONNX Runtime failed to run the batch: {e}") from None
         return dict(zip(self._engine._output_names, results))
 

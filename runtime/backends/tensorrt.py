@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from kiln.runtime.backends.base import (DATATYPES, BackendError, BuildOptions,
-                                        InvalidModelError, ShapeRange, TensorSpec,
-                                        UnsupportedError)
+                                        InvalidInputError, InvalidModelError, ShapeRange,
+                                        TensorSpec, UnsupportedError)
 from kiln.runtime.backends.shapes import validate_profiles
 
 if TYPE_CHECKING:
@@ -350,15 +350,16 @@ class TrtContext:
         try:
             for spec in engine.inputs:
                 if spec.name not in inputs:
-                    raise BackendError(f"missing input {spec.name!r}")
+                    raise InvalidInputError(f"missing input {spec.name!r}")
                 array = np.ascontiguousarray(inputs[spec.name], dtype=DATATYPES[spec.datatype])
                 host = self._host[spec.name]
                 if array.size > host.size:
-                    raise BackendError(f"input {spec.name!r} shape {array.shape} exceeds the "
-                                       f"engine's maximum {engine.max_shape(spec)}")
+                    raise InvalidInputError(f"input {spec.name!r} shape {array.shape} exceeds "
+                                            f"the engine's maximum {engine.max_shape(spec)}")
                 if not ctx.set_input_shape(spec.name, array.shape):
-                    raise BackendError(f"input {spec.name!r}: TensorRT refused shape "
-                                       f"{array.shape} (profile {engine.profiles.get(spec.name)})")
+                    raise InvalidInputError(f"input {spec.name!r}: TensorRT refused shape "
+                                            f"{array.shape} (profile "
+                                            f"{engine.profiles.get(spec.name)})")
                 staged = host[:array.size]
                 staged[:] = array.reshape(-1)
                 cuda.memcpy_htod_async(self._device[spec.name], staged, self._stream)

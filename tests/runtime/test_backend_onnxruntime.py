@@ -80,12 +80,20 @@ def test_invalid_models_profiles_and_flags():
         get_backend("triton")
 
 
-def test_run_errors_are_backend_errors():
+def test_run_errors_are_backend_errors_that_say_whose_they_are():
+    from kiln.runtime.backends.base import BackendError, InvalidInputError
+
     backend = get_backend("onnxruntime")
     loaded = backend.load(backend.build(mlp(), BuildOptions()), {})
-    from kiln.runtime.backends.base import BackendError
-    with pytest.raises(BackendError, match="failed to run"):
-        loaded.create_context().run({"x": np.zeros((2, 3), np.float32)})
+    context = loaded.create_context()
+    # ONNX Runtime's INVALID_ARGUMENT: the inputs' fault, on one line.
+    with pytest.raises(InvalidInputError, match=r"^ONNX Runtime refused the inputs: .*"
+                       r"INVALID_ARGUMENT : Got invalid dimensions for input: x [^\n]*$"):
+        context.run({"x": np.zeros((2, 3), np.float32)})
+    loaded.close()
+    with pytest.raises(BackendError, match="the engine is closed") as e:
+        context.run({"x": np.zeros((2, 4), np.float32)})
+    assert not isinstance(e.value, InvalidInputError)
 
 
 def test_intra_op_threads_from_the_environment(monkeypatch):

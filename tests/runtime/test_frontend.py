@@ -150,6 +150,33 @@ def test_front_ends_answer_as_the_single_process_does(built, tmp_path, kiln_proc
     assert all(s == 400 for s, _, _ in alone)
 
 
+def test_a_request_the_engine_refuses_fails_alone(built, tmp_path, kiln_process):
+    """Issue 19, item 4: requests a front end joins into one hand-over, one of them with
+    data the engine refuses (an id outside the embedding): only that one gets the 400, the
+    others their answers, and the model stays ready."""
+    runtime = {"batching": {"maxBatchSize": 16, "maxQueueDelayMicroseconds": 20_000}}
+    p, client = serve(kiln_process, built, tmp_path, 2, runtime)
+    try:
+        def one(i: int):
+            inputs = sample(1, seed=i)
+            if i % 5 == 0:
+                inputs["token_ids"][0, 0] = 99
+            status, _, doc = client.infer({"inputs": json_inputs(inputs)})
+            if i % 5 == 0:
+                assert status == 400 and "idx=99" in doc["error"], doc
+                return
+            assert status == 200, doc
+            outputs = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in doc["outputs"]}
+            expected = built.expected(inputs)
+            assert_matches({k: v.astype(expected[k].dtype) for k, v in outputs.items()}, expected)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(200)))
+        assert client.get("/v2/health/ready")[0] == 200
+    finally:
+        assert p.stop() == 0
+
+
 def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
     """A request larger than a slot, and many at once (joined into hand-overs larger than
     a slot, or more than a front end has slots): answered like the others, through the

@@ -1,5 +1,5 @@
 """Property-based tests (Hypothesis) of the v2 endpoints against the real server (issue 11,
-item 10: fuzzing in CI).
+item 10: fuzzing in CI; issue 19, item 7: gRPC and the tenant headers).
 
 One real `InferenceServer` per module (test_server.py's ONNX model, real cache, real socket,
 its own event loop in a thread), driven with http.client, and with raw sockets where the
@@ -12,6 +12,14 @@ lines. For every example: no 5xx, and a 4xx has the body `{"error": "<string>"}`
 Every `CHECK_EVERY` examples, and after each test, a valid request (JSON and binary) must
 still answer what ONNX Runtime computes directly on the same model.
 
+Over gRPC, the same server's every RPC gets raw bytes: arbitrary ones, and its own
+messages (ModelInfer's built valid, then changed field by field) cut short, with bytes
+flipped or inserted, or with a string field that is not UTF-8: never UNKNOWN, INTERNAL or
+UNAVAILABLE. A second server serves a stateful model (test_sequences' RNN) for the tenant
+headers: the same (name, value) pairs over HTTP and gRPC metadata give the same tenant or
+the same refusal, two values that differ anywhere are two tenants, and any bytes in them
+over HTTP are never a 5xx. Throughout: never a traceback in the log, from any logger.
+
 Bounded for CI: the profile "kiln-ci" (the default) is derandomized (the same examples on
 every run), has no deadline and no example database; `max_examples` per test keeps the
 file under a minute on two cores. `KILN_FUZZ_PROFILE=kiln-explore` runs random examples, ten
@@ -21,7 +29,10 @@ home directory is a temporary one.
 
 from __future__ import annotations
 
+import http.client
+import itertools
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -29,17 +40,22 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, configuration, given, settings
+from hypothesis import HealthCheck, assume, configuration, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_http, test_server
 
-from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, NAME,  # noqa: E402
-                          Answer, Built, ServerThread, assert_still_serves, http_request,
+from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS,  # noqa: E402
+                          NAME, Answer, Built, ServerThread, assert_still_serves, http_request,
                           json_inputs, raw_exchange, sample)
+from sequence_models import RNN_STATES, rnn_model  # noqa: E402
+from test_server import assert_matches, build_cpu_engine  # noqa: E402
 
+from kiln.runtime import grpc_service_pb2 as pb  # noqa: E402
+from kiln.runtime.grpc_server import CONTENTS_FIELD, code_of  # noqa: E402
 from kiln.runtime.protocol import (decode_infer_response,  # noqa: E402
                                    encode_infer_request)
 
@@ -71,10 +87,40 @@ def built(tmp_path_factory) -> Built:
     return Built(tmp_path_factory.mktemp("fuzz"))
 
 
+class Tracebacks(logging.Handler):
+    """Every record, from any logger, that carries a traceback: a client's input never
+    earns one."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or "Traceback (most recent call last)" in record.getMessage():
+            self.records.append(record)
+
+    def check(self, what: str) -> None:
+        """No traceback logged since the last check (while answering `what`)."""
+        records, self.records = self.records, []
+        if records:
+            r = records[0]
+            raise AssertionError(f"{len(records)} traceback(s) in the log, for {what}; the "
+                                 f"first: {r.name} {r.levelname} {r.getMessage()[:200]!r}")
+
+
+@pytest.fixture(scope="module")
+def tracebacks():
+    handler = Tracebacks()
+    logging.getLogger().addHandler(handler)
+    yield handler
+    logging.getLogger().removeHandler(handler)
+
+
 @dataclass
 class Fuzzed:
     srv: ServerThread
     built: Built
+    tracebacks: Tracebacks
     examples: int = 0
 
     @property
@@ -97,16 +143,18 @@ class Fuzzed:
                                      f"{answer}") from None
             assert isinstance(doc, dict) and isinstance(doc.get("error"), str), \
                 f"a {answer.status} without a string 'error', for {what}: {answer}"
+        self.tracebacks.check(what)
         self.examples += 1
         if self.examples % CHECK_EVERY == 0:
             assert_still_serves(self.port, self.built, seed=self.examples)
 
 
 @pytest.fixture(scope="module")
-def server(built):
-    srv = ServerThread(built.cache, {"cpu": built.rel}, max_body_bytes=HOSTILE_MAX_BODY)
+def server(built, tracebacks):
+    srv = ServerThread(built.cache, {"cpu": built.rel}, max_body_bytes=HOSTILE_MAX_BODY,
+                       grpc_port=0)
     assert srv.wait_loaded(), srv.model.status_message()
-    yield Fuzzed(srv, built)
+    yield Fuzzed(srv, built, tracebacks)
     srv.close()
 
 
@@ -419,6 +467,329 @@ def test_arbitrary_header_lines(server):
         server.judge(raw_exchange(server.port, data), f"the header lines {head[:300]!r}")
     prop()
     server.still_serves()
+
+
+# -- gRPC: raw messages on every RPC ------------------------------------------------------
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+# What a client's input may get: never UNKNOWN or INTERNAL (a 5xx), nor UNAVAILABLE (the
+# server is up throughout).
+CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+DATATYPES = ["FP32", "INT64", "FP16", "FP64", "INT32", "INT8", "UINT8", "BOOL", "BYTES", ""]
+
+
+def rpc(channel: grpc.Channel, method: str, data: bytes, metadata=()) -> tuple:
+    """(code, details, answer bytes) of one call with these bytes as the message."""
+    call = channel.unary_unary(f"/{SERVICE.full_name}/{method}", request_serializer=None,
+                               response_deserializer=None)
+    try:
+        return grpc.StatusCode.OK, "", call(data, metadata=list(metadata), timeout=20)
+    except grpc.RpcError as e:
+        return e.code(), e.details() or "", None
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.srv.server.grpc_address) as channel:
+        yield channel
+
+
+def judge_grpc(server: Fuzzed, channel, answer: tuple, what: str) -> None:
+    code, details, _ = answer
+    assert code in CLIENT_CODES, f"{code} for {what}: {details[:300]!r}"
+    assert len(details) <= MAX_ERROR_CHARS, f"{len(details)} characters of details for {what}"
+    server.tracebacks.check(what)
+    server.examples += 1
+    if server.examples % CHECK_EVERY == 0:
+        grpc_still_serves(channel, server.built, server.examples)
+
+
+def grpc_still_serves(channel, built: Built, seed: int) -> None:
+    inputs = sample(2, seed)
+    request = pb.ModelInferRequest(model_name=NAME)
+    for name, array in inputs.items():
+        request.inputs.add(name=name, datatype="FP32" if array.dtype == np.float32 else "INT64",
+                           shape=list(array.shape))
+        request.raw_input_contents.append(array.tobytes())
+    code, details, raw = rpc(channel, "ModelInfer", request.SerializeToString())
+    assert code == grpc.StatusCode.OK, f"a valid gRPC request after hostile ones: {details}"
+    response = pb.ModelInferResponse.FromString(raw)
+    assert_matches({o.name: np.frombuffer(b, {"FP32": "<f4", "INT64": "<i8"}[o.datatype])
+                    .reshape(list(o.shape)) for o, b in zip(response.outputs,
+                                                            response.raw_output_contents)},
+                   built.expected(inputs))
+
+
+int64s = st.integers(-2 ** 63, 2 ** 63 - 1)
+PARAMETER_VALUES = {"bool_param": st.booleans(), "int64_param": int64s,
+                    "string_param": st.text(max_size=8), "double_param": st.floats(),
+                    "uint64_param": st.integers(0, 2 ** 64 - 1)}
+CONTENTS_VALUES = {"bool_contents": st.booleans(),
+                   "int_contents": st.integers(-2 ** 31, 2 ** 31 - 1),
+                   "int64_contents": int64s, "uint_contents": st.integers(0, 2 ** 32 - 1),
+                   "uint64_contents": st.integers(0, 2 ** 64 - 1),
+                   "fp32_contents": st.floats(width=32), "fp64_contents": st.floats(),
+                   "bytes_contents": st.binary(max_size=8)}
+parameter_names = st.sampled_from(
+    ["sequence_id", "sequence_start", "sequence_end", "binary_data_output", "binary_data",
+     "binary_data_size", "classification", "shared_memory_region", "priority"]) \
+    | st.text(max_size=6)
+tensor_names = st.sampled_from(["features", "token_ids", *OUTPUT_NAMES]) | st.text(max_size=6)
+
+
+def add_parameters(draw, parameters) -> None:
+    for name in draw(st.lists(parameter_names, max_size=3, unique=True)):
+        field = draw(st.sampled_from(sorted(PARAMETER_VALUES)))
+        setattr(parameters[name], field, draw(PARAMETER_VALUES[field]))
+
+
+@st.composite
+def infer_messages(draw) -> pb.ModelInferRequest:
+    """A valid ModelInferRequest (raw or typed contents), then up to four changes to it,
+    each anything its field can hold."""
+    inputs = sample(draw(st.integers(1, 3)), draw(st.integers(0, 10_000)))
+    request = pb.ModelInferRequest(model_name=draw(st.sampled_from([NAME, NAME, "", "nope"])),
+                                   model_version=draw(st.sampled_from(["", "1", "2"])),
+                                   id=draw(st.text(max_size=6)))
+    raw = draw(st.booleans())
+    for name, array in inputs.items():
+        datatype = "FP32" if array.dtype == np.float32 else "INT64"
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        if raw:
+            request.raw_input_contents.append(array.tobytes())
+        else:
+            getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(array.reshape(-1).tolist())
+    for _ in range(draw(st.integers(0, 4))):
+        tensor = request.inputs[draw(st.integers(0, len(request.inputs) - 1))] \
+            if request.inputs else request.inputs.add()
+        change = draw(st.sampled_from(["name", "datatype", "shape", "contents", "raw", "add",
+                                       "drop", "parameters", "outputs"]))
+        if change == "name":
+            tensor.name = draw(tensor_names)
+        elif change == "datatype":
+            tensor.datatype = draw(st.sampled_from(DATATYPES) | st.text(max_size=5))
+        elif change == "shape":
+            tensor.shape[:] = draw(st.lists(int64s | st.integers(-2, 40), max_size=4))
+        elif change == "contents":
+            field = draw(st.sampled_from(sorted(CONTENTS_VALUES)))
+            values = getattr(tensor.contents, field)
+            values[:] = draw(st.lists(CONTENTS_VALUES[field], max_size=24))
+        elif change == "raw":
+            request.raw_input_contents[:] = draw(st.lists(st.binary(max_size=128), max_size=3))
+        elif change == "add":
+            request.inputs.add(name=draw(tensor_names), datatype=draw(st.sampled_from(DATATYPES)),
+                               shape=draw(st.lists(st.integers(-1, 4), max_size=3)))
+        elif change == "drop":
+            del request.inputs[-1]
+        elif change == "parameters":
+            add_parameters(draw, draw(st.sampled_from([request.parameters, tensor.parameters])))
+        else:
+            for name in draw(st.lists(tensor_names, max_size=3)):
+                add_parameters(draw, request.outputs.add(name=name).parameters)
+    return request
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+@st.composite
+def wire_changes(draw, message: bytes) -> bytes:
+    """`message`'s bytes as they are, cut short, with bytes flipped or inserted, or with a
+    string field whose bytes are not UTF-8 (fields 1-3 are strings in every request)."""
+    how = draw(st.sampled_from(["keep", "keep", "cut", "flip", "insert", "not-utf8"]))
+    if how == "cut" and message:
+        return message[:draw(st.integers(0, len(message) - 1))]
+    if how == "flip" and message:
+        data = bytearray(message)
+        for _ in range(draw(st.integers(1, 3))):
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        return bytes(data)
+    if how == "insert":
+        at = draw(st.integers(0, len(message)))
+        return message[:at] + draw(st.binary(min_size=1, max_size=16)) + message[at:]
+    if how == "not-utf8":
+        text = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"a\x80b"]))
+        field = bytes([draw(st.integers(1, 3)) << 3 | 2]) + varint(len(text)) + text
+        return draw(st.sampled_from([field + message, message + field]))
+    return message
+
+
+def test_grpc_model_infer_messages(server, channel):
+    @fuzz_settings(600)
+    @given(st.data())
+    def prop(data):
+        message = data.draw(infer_messages())
+        wire = data.draw(wire_changes(message.SerializeToString()))
+        answer = rpc(channel, "ModelInfer", wire)
+        judge_grpc(server, channel, answer, f"ModelInfer with {wire[:200]!r}")
+    prop()
+    grpc_still_serves(channel, server.built, seed=1)
+
+
+@st.composite
+def any_request(draw) -> tuple[str, bytes]:
+    """Any RPC of the service, with bytes: arbitrary ones, or its own request message with
+    names and versions from the server's and elsewhere, changed on the wire."""
+    method = draw(st.sampled_from(list(SERVICE.methods)))
+    kind = draw(st.sampled_from(["bytes", "message"]))
+    if kind == "bytes":
+        return method.name, draw(st.binary(max_size=256))
+    message = getattr(pb, method.input_type.name)()
+    for field in message.DESCRIPTOR.fields:  # name and version: the only fields they have
+        if field.type == field.TYPE_STRING:
+            setattr(message, field.name,
+                    draw(st.sampled_from([NAME, "1", ""]) | st.text(max_size=8)))
+    return method.name, draw(wire_changes(message.SerializeToString()))
+
+
+def test_grpc_every_rpc(server, channel):
+    @fuzz_settings(400)
+    @given(any_request())
+    def prop(request):
+        method, wire = request
+        judge_grpc(server, channel, rpc(channel, method, wire), f"{method} with {wire[:200]!r}")
+    prop()
+    grpc_still_serves(channel, server.built, seed=2)
+
+
+# -- the tenant: Kiln-Tenant and Authorization, over both doors ------------------------------
+
+@dataclass
+class Stateful:
+    """A stateful model (test_sequences' RNN: x [1, 8], state h [1, 32], memory store) on
+    HTTP and gRPC, and fresh sequence ids."""
+    srv: ServerThread
+    tracebacks: Tracebacks
+    ids: itertools.count
+
+    def http_step(self, seq: str, headers, start: bool = True) -> tuple[int, str]:
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32",
+                                       "data": [0.5] * 8}],
+                           "parameters": {"sequence_id": seq, "sequence_start": start}}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.srv.port, timeout=20)
+        try:
+            conn.putrequest("POST", INFER)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(body)))
+            for name, value in headers:
+                conn.putheader(name, value)
+            conn.endheaders(body)
+            resp = conn.getresponse()
+            answer = Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()},
+                            resp.read())
+        finally:
+            conn.close()
+        assert answer.status < 500, f"a 5xx for the headers {headers!r:.300}: {answer}"
+        self.tracebacks.check(f"the headers {headers!r:.300}")
+        return answer.status, "" if answer.status == 200 else json.loads(answer.body)["error"]
+
+    def grpc_step(self, channel, seq: str, metadata, start: bool = True) -> tuple:
+        request = pb.ModelInferRequest(model_name=NAME)
+        request.parameters["sequence_id"].string_param = seq
+        request.parameters["sequence_start"].bool_param = start
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 8]).contents.fp32_contents \
+            .extend([0.5] * 8)
+        code, details, _ = rpc(channel, "ModelInfer", request.SerializeToString(), metadata)
+        assert code in CLIENT_CODES, f"{code} for the metadata {metadata!r:.300}: {details}"
+        self.tracebacks.check(f"the metadata {metadata!r:.300}")
+        return code, details
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory, tracebacks):
+    root = tmp_path_factory.mktemp("fuzz-tenants")
+    rel = build_cpu_engine(root, "rnn", rnn_model())
+    # Examples start sequences and leave them live: room for kiln-explore's many.
+    runtime = {"sequences": {"states": RNN_STATES, "maxLiveSequences": 100_000}}
+    srv = ServerThread(root / "cache", {"cpu": rel}, runtime, grpc_port=0)
+    assert srv.wait_loaded(), srv.model.status_message()
+    with grpc.insecure_channel(srv.server.grpc_address) as channel:
+        yield Stateful(srv, tracebacks, itertools.count()), channel
+    srv.close()
+
+
+# What gRPC metadata can carry (printable ASCII), so both doors can send the same pairs.
+ascii_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=24)
+padded = st.builds(lambda a, b, c: a + b + c, st.sampled_from(["", " ", "  "]), ascii_text,
+                   st.sampled_from(["", " "]))
+tenant_values = (ascii_text | padded
+                 | st.sampled_from(["", "Bearer s3cret", "acme", "spiffe://corp/" + "x" * 250])
+                 | st.integers(4090, 4100).map(lambda n: "t" * n))
+tenant_header_names = st.sampled_from(["Kiln-Tenant", "kiln-tenant", "KILN-TENANT",
+                                       "Authorization", "authorization", "Kiln-Tenants",
+                                       "X-Tenant"])
+
+
+def test_tenant_headers_are_read_alike_on_both_doors(stateful):
+    """The same (name, value) pairs name the same tenant, or get the same refusal, over HTTP
+    and gRPC; a sequence started on one door continues on the other."""
+    service, channel = stateful
+
+    @fuzz_settings(150)
+    @given(st.lists(st.tuples(tenant_header_names, tenant_values), max_size=3))
+    def prop(pairs):
+        # gRPC's own limit on metadata (8 KiB) is not the tenant's.
+        assume(sum(len(v) for _, v in pairs) < 6000)
+        metadata = [(k.lower(), v) for k, v in pairs]
+        seq, other = f"h{next(service.ids)}", f"g{next(service.ids)}"
+        status, message = service.http_step(seq, pairs)
+        code, details = service.grpc_step(channel, other, metadata)
+        assert (code, details) == (code_of(status) if status != 200 else grpc.StatusCode.OK,
+                                   message), pairs
+        if status == 200:  # one tenant on both doors: gRPC continues what HTTP started
+            assert service.grpc_step(channel, seq, metadata, start=False)[0] == grpc.StatusCode.OK
+    prop()
+
+
+def test_a_tenant_is_its_whole_value(stateful):
+    """Two values that differ anywhere (past the 256th character too) are two tenants."""
+    service, channel = stateful
+
+    @fuzz_settings(100)
+    @given(ascii_text.filter(lambda t: t.strip()), st.sampled_from(["", "x" * 300]),
+           st.sampled_from(["append", "change", "cut"]), st.characters(min_codepoint=0x21,
+                                                                       max_codepoint=0x7E))
+    def prop(text, padding, how, char):
+        mine = padding + text
+        theirs = {"append": mine + char, "cut": mine[:-1],
+                  "change": mine[:-1] + chr(0x21 + (ord(mine[-1]) - 0x20) % 0x5E)}[how]
+        assume(theirs.strip() and theirs.strip() != mine.strip())
+        seq = f"w{next(service.ids)}"
+        assert service.http_step(seq, [("Kiln-Tenant", mine)])[0] == 200
+        code, _ = service.grpc_step(channel, seq, [("kiln-tenant", theirs)], start=False)
+        assert code == grpc.StatusCode.NOT_FOUND, (mine, theirs)
+        assert service.grpc_step(channel, seq, [("kiln-tenant", mine)], start=False)[0] == \
+            grpc.StatusCode.OK
+    prop()
+
+
+def test_tenant_header_bytes_over_http(stateful):
+    """Any bytes in the tenant headers (what HTTP carries and gRPC cannot): never a 5xx."""
+    service, _ = stateful
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32",
+                                   "data": [0.5] * 8}],
+                       "parameters": {"sequence_id": "b", "sequence_start": True,
+                                      "sequence_end": True}}).encode()
+    values = st.binary(max_size=24).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+
+    @fuzz_settings(200)
+    @given(st.lists(st.tuples(tenant_header_names.map(str.encode), values), max_size=3))
+    def prop(lines):
+        head = b"".join(n + b": " + v + b"\r\n" for n, v in lines)
+        data = (f"POST {INFER} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() + head
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        answer = raw_exchange(service.srv.port, data)
+        assert answer.status < 500, f"a 5xx for the header lines {head!r}: {answer}"
+        assert answer.status == 200 or isinstance(json.loads(answer.body).get("error"), str)
+        service.tracebacks.check(f"the header lines {head!r}")
+    prop()
 
 
 def test_profile_writes_nothing_into_the_repository():

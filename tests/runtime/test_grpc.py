@@ -256,6 +256,44 @@ def test_raw_contents_of_the_wrong_size(server):
         assert info.value.details().startswith("the request has 2 inputs but 1 raw_input_contents")
 
 
+def raw_call(channel: grpc.Channel, method: str):
+    """A method of the service that sends and answers bytes as they are."""
+    return channel.unary_unary(f"/inference.GRPCInferenceService/{method}",
+                               request_serializer=None, response_deserializer=None)
+
+
+# Bytes no message parses: a bad tag, a length past the end, groups nested past the limit.
+NOT_PROTOBUF = [b"\xff\xff\xff", b"\x0a\x05ab", b"\x0b" * 100_000]
+
+
+def test_malformed_messages_are_invalid_argument_in_one_line(server, built, caplog):
+    """Issue 19, item 5: bytes that are not the method's message are refused with
+    INVALID_ARGUMENT on every RPC, one short log line each, no traceback."""
+    caplog.set_level("INFO")
+    valid = pb.ModelInferRequest(model_name=NAME, id="x").SerializeToString()
+    cases = [(m.name, m.input_type.full_name, data)
+             for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
+             for data in NOT_PROTOBUF]
+    # A string field that is not UTF-8 (proto3 refuses it), and a message cut short.
+    cases += [(method, f"inference.{method}Request", b"\x0a\x02\xc3\x28")
+              for method in ("ModelReady", "ModelMetadata", "ModelInfer")]
+    cases.append(("ModelInfer", "inference.ModelInferRequest", valid[:-1]))
+    with grpc.insecure_channel(server.server.grpc_address) as channel:
+        for method, message, data in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                raw_call(channel, method)(data, timeout=20)
+            assert (info.value.code(), info.value.details()) == (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the message is not a valid {message}: protobuf cannot parse its "
+                f"{len(data)} bytes (malformed, cut short, or a string that is not UTF-8)"), \
+                (method, data[:20])
+    assert [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()] == []
+    mine = [r.getMessage() for r in caplog.records if r.name.startswith(("kiln", "grpc"))]
+    assert len(mine) == len(cases) and all("\n" not in m and len(m) < 200 for m in mine), mine
+    inputs = sample(2, seed=5)
+    assert_matches(infer(server, inputs), built.expected(inputs))
+
+
 def test_a_message_over_max_body_bytes_is_refused_by_grpc(server):
     inputs = sample(1)
     inputs["features"] = np.zeros((30_000, 4), np.float32)  # 480 KB > MAX_BODY (256 KiB)

@@ -19,8 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 from kiln.runtime.backends import get_backend
 from kiln.runtime.backends.base import BackendError, BuildOptions, ShapeRange
 from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.scheduler import (ExecutionFailed, InvalidBatch, Overloaded, Scheduler,
-                                    ShuttingDown)
+from kiln.runtime.scheduler import (UNHEALTHY_AFTER, ExecutionFailed, InvalidBatch, Overloaded,
+                                    Scheduler, ShuttingDown)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,6 +67,14 @@ def column_sum_model() -> bytes:
         [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])], [axes])
+
+
+def embedding_model() -> bytes:
+    """y = E[ids], ids: [N, 2] INT64 into 10 rows -> y: [N, 2, 4]; an id past 9 is refused."""
+    e = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "E")
+    return _model([helper.make_node("Gather", ["E", "ids"], ["y"], axis=0)],
+                  [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 2])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 4])], [e])
 
 
 def load_engine(onnx_bytes: bytes, profiles=None):
@@ -410,6 +418,35 @@ async def test_health_turns_false_after_consecutive_failed_batches_and_back(mlp)
     np.testing.assert_allclose(got["y"], ort_direct(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-6)
     assert s.healthy
     assert sample(metrics, "kiln_executions_total", outcome="failed") == 5
+    await s.close(5)
+
+
+async def test_inputs_the_engine_refuses_fail_their_own_request_and_not_the_health():
+    """Issue 19, item 4: the engine refusing a request's data (an id outside the embedding)
+    is that request's 400 (InvalidBatch), not retried on fresh contexts, never counted
+    toward health; the requests batched with it are run again without it."""
+    model = embedding_model()
+    clock = FakeClock()
+    s, metrics = await started(load_engine(model), {
+        "contextsPerGPU": 1,
+        "batching": {"maxBatchSize": 3, "maxQueueDelayMicroseconds": 10_000_000}}, clock)
+    ids = [np.array([[1, 2]]), np.array([[3, 10]]), np.array([[9, 0]])]  # one batch of three
+    results = await asyncio.gather(*(s.submit({"ids": i}) for i in ids), return_exceptions=True)
+    assert isinstance(results[1], InvalidBatch), results[1]
+    assert str(results[1]).startswith("ONNX Runtime refused the inputs: ") and \
+        "indices element out of data bounds, idx=10" in str(results[1])
+    for i in (0, 2):
+        np.testing.assert_array_equal(results[i]["y"], ort_direct(model, {"ids": ids[i]})["y"])
+    assert sample(metrics, "kiln_executions_total", outcome="refused") == 2
+    await s.close(5)
+
+    s, metrics = await started(load_engine(model), {"contextsPerGPU": 1})
+    for _ in range(2 * UNHEALTHY_AFTER):
+        with pytest.raises(InvalidBatch, match="idx=10"):
+            await s.submit({"ids": ids[1]})
+    assert s.healthy
+    assert sample(metrics, "kiln_context_recreations_total") == 0
+    assert sample(metrics, "kiln_executions_total", outcome="failed") == 0
     await s.close(5)
 
 

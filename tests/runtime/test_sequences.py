@@ -164,12 +164,56 @@ def test_bad_sequence_parameters_are_400(raw, fragment):
 
 
 def test_tenant_is_the_header_else_the_token():
-    assert sq.tenant_of({"Kiln-Tenant": "acme"}) == "h:acme"
-    assert sq.tenant_of({"kiln-tenant": "acme"}) == "h:acme"  # gRPC metadata
-    bearer = sq.tenant_of({"Authorization": "Bearer s3cret"})
+    assert sq.tenant_of([("Kiln-Tenant", "acme")]) == "h:acme"
+    assert sq.tenant_of([("kiln-tenant", "acme")]) == "h:acme"  # gRPC metadata
+    bearer = sq.tenant_of([("Authorization", "Bearer s3cret")])
     assert bearer.startswith("t:") and "s3cret" not in bearer
-    assert sq.tenant_of({}) == ""
+    assert sq.tenant_of([("Kiln-Tenant", "acme"), ("Authorization", "Bearer s3cret")]) == "h:acme"
+    assert sq.tenant_of([]) == ""
     assert sq.tenant_hash("h:a") != sq.tenant_hash("h:b")
+
+
+def tenant_refusal(pairs) -> str:
+    with pytest.raises(sq.SequenceError) as e:
+        sq.tenant_of(pairs)
+    assert e.value.status == 400
+    return e.value.message
+
+
+def test_a_tenant_is_its_whole_identity():
+    prefix = "spiffe://corp/" + "x" * 250
+    alice, mallory = (sq.tenant_of([("Kiln-Tenant", prefix + who)])
+                      for who in ("/alice", "/mallory"))
+    assert alice == "h:" + prefix + "/alice" and alice != mallory
+    most = "a" * sq.MAX_TENANT_BYTES
+    assert sq.tenant_of([("Kiln-Tenant", most)]) == "h:" + most
+    assert tenant_refusal([("Kiln-Tenant", most + "a")]) == (
+        "the Kiln-Tenant header has 4097 characters; a tenant has at most 4096 (it is never "
+        "cut short: two tenants would become one)")
+    # HTTP never delivers the spaces and tabs around a value; gRPC does: both drop them.
+    assert sq.tenant_of([("kiln-tenant", " \talice \t")]) == "h:alice"
+    assert sq.tenant_of([("Kiln-Tenant", "alice bob")]) == "h:alice bob"
+    # What aiohttp and gRPC make of bytes that are not printable ASCII differs (surrogates,
+    # latin-1): refused alike rather than told apart.
+    for value in ("caf\u00e9", "\udcff", "\u00ff", "a\tb", "a\x01b", "a\x7fb"):
+        assert tenant_refusal([("Kiln-Tenant", value)]).startswith(
+            "the Kiln-Tenant header must be printable ASCII (0x20-0x7E): character "), value
+    assert tenant_refusal([("Kiln-Tenant", " ")]) == (
+        "the Kiln-Tenant header is empty; it names the tenant that owns the request's sequence")
+
+
+def test_a_repeated_tenant_header_is_refused():
+    want = ("the request has 2 Kiln-Tenant headers; it belongs to one tenant (a gateway must "
+            "replace the header, not add another)")
+    assert tenant_refusal([("Kiln-Tenant", "alice"), ("Kiln-Tenant", "mallory")]) == want
+    assert tenant_refusal([("kiln-tenant", "alice"), ("KILN-TENANT", "alice")]) == want
+    # Authorization is refused when repeated only where it is the tenant's source.
+    assert tenant_refusal([("Authorization", "Bearer a"), ("authorization", "Bearer b")]) == (
+        want.replace("Kiln-Tenant", "Authorization"))
+    assert tenant_refusal([("Authorization", "Bearer caf\u00e9")]).startswith(
+        "the Authorization header must be printable ASCII")
+    assert sq.tenant_of([("Kiln-Tenant", "acme"), ("Authorization", "a"),
+                         ("Authorization", "b")]) == "h:acme"
 
 
 # ------------------------------------------------------------------ the blob
@@ -315,6 +359,31 @@ async def test_a_corrupt_state_is_an_error_not_data():
     e = await refused(manager(store).step(x(1), params(1)))
     assert e.status == 500 and "corrupt" in e.message and "discarded" in e.message
     assert len(store) == 0
+
+
+async def test_a_state_of_the_wrong_shape_is_refused_and_discarded():
+    """Issue 19, item 4: a state with a valid digest but a shape the model's state input
+    cannot take is a 409 that says so, and gone from the store: never fed to the engine."""
+    store = sq.MemoryStore()
+    engine = NumpyRnn()
+    m = manager(store, engine=engine)
+    key = m.key("", "bad")
+    blob = sq.encode_state(sq.StoredState("key-1", 1, "0123456789abcdef",
+                                          {"h": np.zeros((1, 8), np.float32)}), "rnn")
+    await store.put(key, blob, None, 60_000)
+    e = await refused(m.step(x(1), params("bad")))
+    assert (e.status, e.message) == (409, (
+        "the stored state of sequence 'bad' does not fit this model's state inputs: 'h' has "
+        "shape [1, 8], the model's input is FP32 [1, 6]; it was discarded, not used: start "
+        "the sequence again"))
+    assert len(store) == 0 and engine.calls == 0
+    e = await refused(m.step(x(1), params("bad")))
+    assert e.status == 404  # gone: a retry does not meet it again
+    await store.put(key, sq.encode_state(sq.StoredState(
+        "key-1", 1, "0123456789abcdef", {"h": np.zeros((1, H), np.int64)}), "rnn"), None, 60_000)
+    e = await refused(m.step(x(1), params("bad")))
+    assert e.status == 409 and "'h' is INT64, the model's input is FP32 [1, 6]" in e.message
+    assert len(store) == 0 and engine.calls == 0
 
 
 async def test_memory_is_a_bounded_cache_of_the_store():
@@ -495,15 +564,21 @@ class Served:
         self.thread.join(5)
 
 
-def post(port: int, name: str, inputs: dict, parameters: dict, headers: dict | None = None):
+def post(port: int, name: str, inputs: dict, parameters: dict, headers=None):
+    """`headers`: a dict, or (name, value) pairs where a name may repeat."""
     doc = {"inputs": [{"name": n, "shape": list(a.shape),
                        "datatype": {"float32": "FP32", "int64": "INT64"}[str(a.dtype)],
                        "data": a.reshape(-1).tolist()} for n, a in inputs.items()],
            "parameters": {**parameters, "binary_data_output": True}}
+    body = json.dumps(doc).encode()
+    pairs = headers.items() if isinstance(headers, dict) else headers or ()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
-        conn.request("POST", f"/v2/models/{name}/infer", json.dumps(doc).encode(),
-                     {"Content-Type": "application/json", **(headers or {})})
+        conn.putrequest("POST", f"/v2/models/{name}/infer")
+        for k, v in [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                     *pairs]:
+            conn.putheader(k, v)
+        conn.endheaders(body)
         resp = conn.getresponse()
         body = resp.read()
         length = resp.getheader("Inference-Header-Content-Length")
@@ -683,6 +758,119 @@ def test_bounds_over_http_are_429_with_the_reason(engines):
         served.close()
 
 
+@pytest.mark.parametrize("store", ["memory", pytest.param("redis", marks=needs_redis)])
+def test_a_bad_state_never_takes_the_replica_out_of_service(engines, request, store):
+    """Issue 19, item 4: a stored state of the wrong shape (valid digest) is refused and
+    discarded before the engine, as often as it is written: the replica stays ready."""
+    root, rels = engines
+    runtime = {"sequences": {"states": RNN_STATES, "store": {"type": store}}}
+    if store == "redis":
+        runtime["sequences"]["store"]["address"] = request.getfixturevalue("redis_server").address
+    served = Served(root, "rnn", rels["rnn"], runtime)
+    sequences = served.model.sequences
+    if store == "memory":  # the one store a test can write into without a server
+        sequences.store = sq.MemoryStore()
+    key = sequences.key("", "bad")
+    blob = sq.encode_state(sq.StoredState(sequences.engine_key, 1, "0123456789abcdef",
+                                          {"h": np.ones((1, 8), np.float32)}), "rnn")
+    try:
+        for _ in range(6):
+            served.call(sequences.store.put(key, blob, None, 60_000))
+            status, _, doc = post(served.port, "rnn", {"x": rnn_x(1)}, params("bad"))
+            assert (status, doc["error"]) == (409, (
+                "the stored state of sequence 'bad' does not fit this model's state inputs: "
+                "'h' has shape [1, 8], the model's input is FP32 [1, 32]; it was discarded, "
+                "not used: start the sequence again"))
+            assert served.call(sequences.store.get(key)) is None
+        assert get(served.port, "/v2/health/ready")[0] == 200
+        got = [post(served.port, "rnn", {"x": rnn_x(i)}, params("good", start=(i == 0)))[2]["y"]
+               for i in range(2)]
+        assert same([(y,) for y in got], reference_run("rnn", 2))
+    finally:
+        served.close()
+
+
+def grpc_step(address: str, name: str, x, parameters: dict, metadata=()):
+    """One step over gRPC with Kiln's own messages (metadata may repeat a key, which
+    tritonclient's dict of headers cannot): (code, details)."""
+    import grpc
+
+    from kiln.runtime import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=name)
+    for k, v in parameters.items():
+        field = "bool_param" if isinstance(v, bool) else "int64_param" if isinstance(v, int) \
+            else "string_param"
+        setattr(request.parameters[k], field, v)
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    tensor.contents.fp32_contents.extend(x.reshape(-1).tolist())
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=pb.ModelInferRequest.SerializeToString,
+                                   response_deserializer=pb.ModelInferResponse.FromString)
+        try:
+            call(request, metadata=list(metadata), timeout=20)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize("store", ["memory", pytest.param("redis", marks=needs_redis)])
+def test_a_tenant_is_its_whole_identity_on_both_doors(engines, request, store):
+    """Issue 19, item 3: a tenant is its whole header, the same over HTTP and gRPC, and a
+    repeated header is refused alike on both."""
+    import grpc
+
+    root, rels = engines
+    runtime = {"sequences": {"states": RNN_STATES, "store": {"type": store}}}
+    if store == "redis":
+        runtime["sequences"]["store"]["address"] = request.getfixturevalue("redis_server").address
+    served = Served(root, "rnn", rels["rnn"], runtime)
+    prefix = "spiffe://corp/" + "x" * 250
+    alice, mallory = [("Kiln-Tenant", prefix + "/alice")], [("Kiln-Tenant", prefix + "/mallory")]
+    address = served.server.grpc_address
+    try:
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(0)}, params("s", start=True), alice)
+        assert status == 200, doc
+        # Another identity with the same first 256 characters is another tenant, on both doors.
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(1)}, params("s"), mallory)
+        assert status == 404, doc
+        metadata = [("kiln-tenant", prefix + "/mallory")]
+        assert grpc_step(address, "rnn", rnn_x(1), params("s"), metadata)[0] == \
+            grpc.StatusCode.NOT_FOUND
+        # The same identity is the same tenant on either door.
+        metadata = [("kiln-tenant", prefix + "/alice")]
+        assert grpc_step(address, "rnn", rnn_x(1), params("s"), metadata) == \
+            (grpc.StatusCode.OK, "")
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(2)}, params("s"), alice)
+        assert status == 200, doc
+
+        # A gateway that appends its header to the client's: refused alike, before any state.
+        both = alice + mallory
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(3)}, params("s"), both)
+        want = ("the request has 2 Kiln-Tenant headers; it belongs to one tenant (a gateway "
+                "must replace the header, not add another)")
+        assert (status, doc["error"]) == (400, want)
+        both = [(k.lower(), v) for k, v in both]
+        assert grpc_step(address, "rnn", rnn_x(3), params("s"), both) == \
+            (grpc.StatusCode.INVALID_ARGUMENT, want)
+        assert grpc_step(address, "rnn", rnn_x(3), params("s"), both[::-1]) == \
+            (grpc.StatusCode.INVALID_ARGUMENT, want)
+        # Bytes aiohttp decodes to surrogates: a 400, never a 500.
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(3)}, params("t", start=True),
+                              [("Authorization", b"Bearer \xff")])
+        assert status == 400 and "printable ASCII" in doc["error"], doc
+        # Over the bound: refused, not cut.
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(3)}, params("t", start=True),
+                              [("Kiln-Tenant", "a" * 5000)])
+        assert status == 400 and "at most 4096" in doc["error"], doc
+        # The refused steps changed nothing: the sequence goes on from step 3.
+        status, _, doc = post(served.port, "rnn", {"x": rnn_x(3)}, params("s", end=True), alice)
+        assert status == 200, doc
+    finally:
+        served.close()
+
+
 # ------------------------------------------------------------------ SIGTERM midway, another pod
 
 def serve(kiln_process, root: Path, name: str, rel: str, runtime: dict, tmp_path: Path,
@@ -759,3 +947,21 @@ def test_sigterm_midway_and_another_pod_continues_bit_for_bit(engines, redis_ser
     assert same(head + tail, uninterrupted)
     assert same(uninterrupted, reference_run(name, steps))
     second.stop()
+
+
+def test_front_ends_read_the_tenant_as_the_single_process_does(engines, tmp_path, kiln_process):
+    """`kiln serve --workers 2`: each front end reads the tenant before the hand-over, with
+    the same function and answers as the single process."""
+    root, rels = engines
+    p, port = serve(kiln_process, root, "rnn", rels["rnn"], {"sequences": {"states": RNN_STATES}},
+                    tmp_path, workers=2)
+    prefix = "spiffe://corp/" + "x" * 250
+    alice, mallory = [("Kiln-Tenant", prefix + "/alice")], [("Kiln-Tenant", prefix + "/mallory")]
+    status, _, doc = post(port, "rnn", {"x": rnn_x(0)}, params("s", start=True), alice)
+    assert status == 200, doc
+    assert post(port, "rnn", {"x": rnn_x(1)}, params("s"), mallory)[0] == 404
+    status, _, doc = post(port, "rnn", {"x": rnn_x(1)}, params("s"), alice + mallory)
+    assert (status, doc["error"]) == (400, tenant_refusal(alice + mallory))
+    status, _, doc = post(port, "rnn", {"x": rnn_x(1)}, params("s", end=True), alice)
+    assert status == 200, doc
+    p.stop()

@@ -531,16 +531,41 @@ def test_no_engine_for_this_target(built):
         srv.close()
 
 
-def test_engine_failures_turn_not_ready_then_recover(built):
+def test_inputs_the_engine_refuses_are_400_and_the_model_stays_ready(built):
+    """Issue 19, item 4: a failure caused by one request's data never counts toward the
+    pod's health, and is not retried on fresh contexts."""
     srv = ServerThread(built.cache, {"cpu": built.rel})
     try:
         assert srv.wait_loaded()
         bad = sample(1)
-        bad["token_ids"][0, 0] = 99  # outside the 10-row embedding: ONNX Runtime fails
-        for _ in range(3):
+        bad["token_ids"][0, 0] = 99  # outside the 10-row embedding: ONNX Runtime refuses it
+        for _ in range(6):
             status, _, doc = srv.infer({"inputs": json_inputs(bad)})
+            assert status == 400, doc
+            assert doc["error"].startswith("ONNX Runtime refused the inputs: ") and \
+                "indices element out of data bounds, idx=99" in doc["error"], doc
+        assert srv.get("/v2/health/ready")[0] == 200
+        assert srv.metric("kiln_context_recreations_total", model=NAME) == 0.0
+        assert srv.metric("kiln_executions_total", model=NAME, outcome="refused") == 6.0
+        assert srv.metric("kiln_requests_total", model=NAME, outcome="bad_request") == 6.0
+        status, _, doc = srv.infer({"inputs": json_inputs(sample(2))})
+        assert status == 200, doc
+    finally:
+        srv.close()
+
+
+def test_engine_failures_turn_not_ready_then_recover(built):
+    srv = ServerThread(built.cache, {"cpu": built.rel})
+    try:
+        assert srv.wait_loaded()
+        # The engine's own failure: its session gone, as when its device is lost.
+        engine = srv.model.engine
+        session, engine.session = engine.session, None
+        for _ in range(3):
+            status, _, doc = srv.infer({"inputs": json_inputs(sample(1))})
             assert status == 500
             assert doc["error"].startswith("inference failed: execution failed after 3 attempts")
+        engine.session = session
         status, _, doc = srv.get(f"/v2/models/{NAME}/ready")
         assert (status, doc["state"]) == (503, "unhealthy")
         assert srv.get("/v2/health/ready")[0] == 503
