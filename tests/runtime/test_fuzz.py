@@ -20,11 +20,8 @@ headers: the same (name, value) pairs over HTTP and gRPC metadata give the same 
 the same refusal, two values that differ anywhere are two tenants, and any bytes in them
 over HTTP are never a 5xx. Throughout: never a traceback in the log, from any logger.
 
-Bounded for CI: the profile "kiln-ci" (the default) is derandomized (the same examples on
-every run), has no deadline and no example database; `max_examples` per test keeps the
-file under a minute on two cores. `KILN_FUZZ_PROFILE=kiln-explore` runs random examples, ten
-times as many, for hunting locally. Hypothesis writes nothing into the repository: its
-home directory is a temporary one.
+Bounded for CI by the profiles in tests/fuzzing.py; `max_examples` per test keeps the file
+under a minute on two cores.
 """
 
 from __future__ import annotations
@@ -33,9 +30,7 @@ import http.client
 import itertools
 import json
 import logging
-import os
 import sys
-import tempfile
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +38,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, configuration, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_http, test_server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fuzzing
+
+from fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite  # noqa: E402
 
 from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS,  # noqa: E402
                           NAME, Answer, Built, ServerThread, assert_still_serves, http_request,
@@ -58,23 +56,6 @@ from kiln.runtime import grpc_service_pb2 as pb  # noqa: E402
 from kiln.runtime.grpc_server import CONTENTS_FIELD, code_of  # noqa: E402
 from kiln.runtime.protocol import (decode_infer_response,  # noqa: E402
                                    encode_infer_request)
-
-configuration.set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "kiln-hypothesis")
-
-settings.register_profile(
-    "kiln-ci", deadline=None, derandomize=True, database=None, print_blob=False,
-    report_multiple_bugs=False,
-    # Examples are HTTP round trips; big bodies are the point, not a smell.
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.large_base_example])
-settings.register_profile("kiln-explore", settings.get_profile("kiln-ci"), derandomize=False)
-PROFILE = os.environ.get("KILN_FUZZ_PROFILE", "kiln-ci")
-SCALE = 10 if PROFILE == "kiln-explore" else 1
-
-
-def fuzz_settings(examples: int) -> settings:
-    return settings(settings.get_profile(PROFILE), max_examples=examples * SCALE)
-
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -158,43 +139,13 @@ def server(built, tracebacks):
     srv.close()
 
 
-# -- JSON values, with what json.dumps cannot write ---------------------------------------
-
-@dataclass(frozen=True)
-class Raw:
-    """A literal written into the body as it is."""
-    text: str
-
-    def __repr__(self) -> str:  # Hypothesis prints failing examples: keep 100k '[' short
-        t = self.text
-        return f"Raw({t!r})" if len(t) <= 60 else f"Raw({t[:30]!r} ... {t[-10:]!r}, {len(t)} chars)"
-
-
-def dump(value) -> str:
-    """JSON text of `value`, with `Raw` literals as they are and NaN/Infinity as Python's
-    json writes them (not JSON: the server must refuse them with a 400, not a 5xx)."""
-    if isinstance(value, Raw):
-        return value.text
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{json.dumps(str(k))}:{dump(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ",".join(dump(v) for v in value) + "]"
-    return json.dumps(value)
-
+# -- JSON values, with what json.dumps cannot write (tests/fuzzing.py) -------------------
 
 V2_WORDS = ["inputs", "outputs", "name", "shape", "datatype", "data", "parameters", "id",
             "binary_data_size", "binary_data", "binary_data_output", "shared_memory_region",
             "classification", "features", "token_ids", *OUTPUT_NAMES, "FP32", "INT64",
             "BYTES", "BOOL", "FP16", "UINT8"]
 
-huge_literals = st.builds(lambda n, sign, digit: Raw(sign + digit + "0" * n),
-                          st.integers(4300, 6000), st.sampled_from(["", "-"]),
-                          st.sampled_from("123456789"))
-deep_literals = st.builds(
-    lambda n, obj: Raw('{"a":' * n + "0" + "}" * n) if obj else Raw("[" * n + "]" * n),
-    st.integers(900, 100_000), st.booleans())
-non_finite = st.sampled_from([Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e400"),
-                              Raw("-1e400")])
 leaves = (st.none() | st.booleans() | st.integers() | st.floats()
           | st.integers(min_value=-2 ** 70, max_value=2 ** 70)
           | st.text(max_size=12) | st.sampled_from(V2_WORDS)
