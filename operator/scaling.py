@@ -232,13 +232,14 @@ async def step(p: Pass) -> StepResult:
 
 
 def scaled_up_from(state: Mapping[str, Any], now: datetime.datetime, within: float) -> int | None:
-    """The count before the last change, when that change was a scale-up less than `within` ago."""
-    last = (state.get("history") or [{}])[-1]
+    """The count before the last change, when that change was a scale-up less than `within` ago
+    (holds recorded since, such as WaitingForReplicas, come after it in the history)."""
     changed = _time(state.get("lastScaleTime"))
-    if (changed is None or last.get("time") != state.get("lastScaleTime")
-            or not int(last.get("to", 0)) > int(last.get("from", 0))):
+    change = next((h for h in reversed(state.get("history") or []) if h.get("time") == state.get("lastScaleTime")),
+                  None)
+    if changed is None or change is None or not int(change.get("to", 0)) > int(change.get("from", 0)):
         return None
-    return int(last["from"]) if (now - changed).total_seconds() < within else None
+    return int(change["from"]) if (now - changed).total_seconds() < within else None
 
 
 async def _write_replicas(p: Pass, replicas: int) -> int | None:

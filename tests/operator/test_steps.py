@@ -286,6 +286,9 @@ def test_a_scale_up_counts_as_one_while_its_pods_may_still_start():
     state, _ = scaling.next_state({}, 1, scaling.Decision(3, "UtilizationHigh", "KilnUtilizationHigh"), T0)
     later = lambda s: T0 + datetime.timedelta(seconds=s)  # noqa: E731
     assert scaling.scaled_up_from(state, later(30), within=60) == 1
+    waiting, _ = scaling.next_state(state, 3, scaling.Decision(3, "WaitingForReplicas", "KilnUtilizationHigh"),
+                                    later(31))
+    assert scaling.scaled_up_from(waiting, later(32), within=60) == 1  # a hold since does not end it
     assert scaling.scaled_up_from(state, later(61), within=60) is None  # past the startup budget: degraded
     down, _ = scaling.next_state(state, 3, scaling.Decision(2, "UtilizationLow", "KilnUtilizationLow"), later(40))
     assert scaling.scaled_up_from(down, later(41), within=60) is None
