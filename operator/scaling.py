@@ -10,14 +10,19 @@ autoscaler. With `autoscaling.enabled` the Deployment's template leaves replicas
 The autoscaler is `decide`, a pure function of the policy (the spec), the signals the alert
 receiver recorded (`signals.py`), the state it keeps in `status.scaling` and the clock:
 
-- it steps only on an active alert (firing, and heard of within the signal TTL), and only
-  on evidence delivered after its previous change: no alert, a resolved one, a stale one or
-  KilnUtilizationMissing is a hold. Missing metrics never read as zero load.
-- up: by the utilization's excess over the target (HPA's ratio), at least 1, at most
-  `maxStep`, never above `maxReplicas`; not while the last step's pods are not Ready yet,
-  nor within `scaleUpCooldownSeconds` of the last change.
-- down: only when KilnUtilizationLow has fired for `scaleDownStabilizationSeconds`, and
-  `scaleDownCooldownSeconds` after the last change; at most `maxStep`, never below `minReplicas`.
+- it steps only on an active alert (firing, and heard of within the signal TTL): no alert, a
+  resolved one, a stale one or KilnUtilizationMissing is a hold. Missing metrics never read
+  as zero load.
+- up: toward the count the evidence asks for (`status.scaling.goal`: the HPA's
+  ceil(replicas x utilization / target), at least one more), at most `maxStep` at a time,
+  never above `maxReplicas`; not while the last step's pods are not Ready yet, nor within
+  `scaleUpCooldownSeconds` of the last change. While the alert stays firing and fresh, the
+  next step comes after the cooldown without waiting for a new delivery (Alertmanager
+  repeats an unchanged alert only every repeat_interval); a delivery since the last change
+  sets the goal again from the count now serving. An alert without a value steps by one.
+- down: likewise toward the goal, only when KilnUtilizationLow has fired for
+  `scaleDownStabilizationSeconds`, and `scaleDownCooldownSeconds` after the last change; at
+  most `maxStep` at a time, never below `minReplicas`.
 - a change made by someone else (`kubectl scale`) is recorded and kept, not fought: it
   starts the cooldowns like any change. Only a count outside [min, max] is put back.
 
@@ -45,6 +50,9 @@ HISTORY = 10  # status.scaling.history entries kept
 class Scale:
     replicas: int
     autoscaled: bool  # the count is not part of the applied template
+    # The count serving before a scale-up whose new pods may still be starting (within the
+    # startup budget): while those are up, fewer ready than desired is scaling, not degraded.
+    scaling_up_from: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,7 @@ class Decision:
     source: str = ""  # the alert, "scale" (someone else), or "bounds"
     message: str = ""
     look_again: float | None = None  # seconds until the decision could change without any event
+    goal: int | None = None  # the count the alert's evidence asks for, kept while it stays firing
 
 
 def decide(policy: Policy, current: int, ready: int, signals: Mapping[str, sig.Signal],
@@ -93,33 +102,54 @@ def decide(policy: Policy, current: int, ready: int, signals: Mapping[str, sig.S
     if high and low:
         return Decision(current, "ConflictingSignals", f"{sig.HIGH},{sig.LOW}", "high and low at once: holding")
     signal, name = (high, sig.HIGH) if high else (low, sig.LOW) if low else (None, "")
-    if signal is None or (last_change is not None and signal.seen <= last_change):
-        return Decision(current, None)  # nothing to act on, or nothing new since the last change
+    if signal is None:
+        return Decision(current, None)
+    delivered_since = last_change is None or signal.seen > last_change
     since_change = math.inf if last_change is None else (now - last_change).total_seconds()
     seen = "" if signal.value is None else f"utilization {signal.value:.2f}, target {policy.target:.2f}"
+    goal = _goal(policy, current, signal, state, delivered_since, up=name == sig.HIGH)
+    if goal is None:
+        return Decision(current, None)  # nothing new since the last change, and nothing more asked
     if name == sig.HIGH:
         if current >= policy.max_replicas:
-            return Decision(current, "AtMaxReplicas", name, _says(seen, f"at maxReplicas {policy.max_replicas}"))
+            return Decision(current, "AtMaxReplicas", name, _says(seen, f"at maxReplicas {policy.max_replicas}"),
+                            goal=goal)
         if ready < current:
-            return Decision(current, "WaitingForReplicas", name, _says(seen, f"{ready}/{current} replica(s) ready"))
+            return Decision(current, "WaitingForReplicas", name, _says(seen, f"{ready}/{current} replica(s) ready"),
+                            goal=goal)
         if since_change < policy.up_cooldown:
             return Decision(current, "CooldownActive", name, _says(seen, "scale-up cooldown"),
-                            look_again=policy.up_cooldown - since_change)
-        want = current + 1 if signal.value is None else math.ceil(current * signal.value / policy.target)
-        to = min(policy.max_replicas, current + policy.max_step, max(current + 1, want))
-        return Decision(to, "UtilizationHigh", name, seen)
+                            look_again=policy.up_cooldown - since_change, goal=goal)
+        to = min(policy.max_replicas, current + policy.max_step, goal)
+        return Decision(to, "UtilizationHigh", name, _says(seen, f"goal {goal}"), goal=goal)
     if current <= policy.min_replicas:
-        return Decision(current, "AtMinReplicas", name, _says(seen, f"at minReplicas {policy.min_replicas}"))
+        return Decision(current, "AtMinReplicas", name, _says(seen, f"at minReplicas {policy.min_replicas}"),
+                        goal=goal)
     low_for = (now - signal.starts_at).total_seconds()
     if low_for < policy.stabilization:
         return Decision(current, "Stabilizing", name, _says(seen, f"low for {low_for:.0f}s of the "
-                        f"{policy.stabilization:.0f}s stabilization window"), look_again=policy.stabilization - low_for)
+                        f"{policy.stabilization:.0f}s stabilization window"),
+                        look_again=policy.stabilization - low_for, goal=goal)
     if since_change < policy.down_cooldown:
         return Decision(current, "CooldownActive", name, _says(seen, "scale-down cooldown"),
-                        look_again=policy.down_cooldown - since_change)
-    want = current - 1 if signal.value is None else math.ceil(current * signal.value / policy.target)
-    to = max(policy.min_replicas, current - policy.max_step, min(current - 1, want))
-    return Decision(to, "UtilizationLow", name, seen)
+                        look_again=policy.down_cooldown - since_change, goal=goal)
+    to = max(policy.min_replicas, current - policy.max_step, goal)
+    return Decision(to, "UtilizationLow", name, _says(seen, f"goal {goal}"), goal=goal)
+
+
+def _goal(policy: Policy, current: int, signal: sig.Signal, state: Mapping[str, Any],
+          delivered_since: bool, up: bool) -> int | None:
+    """The count a firing alert asks for, or None when it asks for nothing more: from a
+    delivery since the last change, the HPA's ratio over the count serving now (at least one
+    step); from older evidence, the goal set when it arrived (None after an older operator,
+    which kept none)."""
+    if signal.value is None:
+        return current + (1 if up else -1)  # no measure of the excess: one per cooldown while it fires
+    if delivered_since:
+        want = math.ceil(current * signal.value / policy.target)
+        return max(current + 1, want) if up else min(current - 1, want)
+    goal = state.get("goal")
+    return goal if isinstance(goal, int) and (goal > current if up else goal < current) else None
 
 
 def next_state(state: Mapping[str, Any], current: int, d: Decision,
@@ -129,6 +159,8 @@ def next_state(state: Mapping[str, Any], current: int, d: Decision,
     history = list(state.get("history") or [])
     out: dict[str, Any] = {k: v for k, v in state.items() if k in ("lastScaleTime", "lastDecision", "generation")}
     out["replicas"] = d.replicas
+    if d.goal is not None:
+        out["goal"] = d.goal
     recorded = False
     if d.reason is not None:
         entry = {"time": sig.format_time(now), "from": current, "to": d.replicas, "reason": d.reason,
@@ -195,7 +227,19 @@ async def step(p: Pass) -> StepResult:
         direction = "up" if d.replicas > current else "down" if d.replicas < current else "hold"
         metrics.decisions.labels(p.ns, p.name, direction).inc()
     metrics.set_autoscaled(p.ns, p.name, auto, d.replicas)
-    return StepResult(status={"scaling": new_state}, out=Scale(d.replicas, True), wake_after=d.look_again)
+    return StepResult(status={"scaling": new_state}, wake_after=d.look_again,
+                      out=Scale(d.replicas, True, scaled_up_from(new_state, now, p.ctx.config.startup_budget_seconds)))
+
+
+def scaled_up_from(state: Mapping[str, Any], now: datetime.datetime, within: float) -> int | None:
+    """The count before the last change, when that change was a scale-up less than `within` ago
+    (holds recorded since, such as WaitingForReplicas, come after it in the history)."""
+    changed = _time(state.get("lastScaleTime"))
+    change = next((h for h in reversed(state.get("history") or []) if h.get("time") == state.get("lastScaleTime")),
+                  None)
+    if changed is None or change is None or not int(change.get("to", 0)) > int(change.get("from", 0)):
+        return None
+    return int(change["from"]) if (now - changed).total_seconds() < within else None
 
 
 async def _write_replicas(p: Pass, replicas: int) -> int | None:

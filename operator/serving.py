@@ -45,7 +45,8 @@ async def step(p: Pass) -> StepResult:
     failed = any(o.state == "Failed" for o in p.out["engines"])
     conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists),
                   "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None,
-                                       rolled_back=tracks.rolled_back)}
+                                       rolled_back=tracks.rolled_back,
+                                       scaling_up_from=p.out["scaling"].scaling_up_from)}
     status = {"replicas": seen.replicas + seen_canary.replicas, "readyReplicas": seen.ready + seen_canary.ready,
               "selector": f"{builders.LABEL_MODEL}={p.name}"}
     starting = tracks.stable is not None and (not seen.rolled_out or (seen.desired > 0 and seen.ready == 0))
@@ -70,7 +71,7 @@ def available(seen: builders.DeploymentObservation, invalid: bool, waiting: bool
 
 
 def degraded(seen: builders.DeploymentObservation, invalid: str | None, failed: bool, current: bool,
-             rolled_back: Mapping[str, Any] | None = None) -> Condition:
+             rolled_back: Mapping[str, Any] | None = None, scaling_up_from: int | None = None) -> Condition:
     serving = seen.exists and seen.ready > 0
     if invalid is not None:
         return (True, "InvalidSpec", invalid)
@@ -80,6 +81,9 @@ def degraded(seen: builders.DeploymentObservation, invalid: str | None, failed: 
     if failed and serving:
         return (True, "BuildFailed", f"serving engine {seen.engine_key}; the new engines failed to build")
     if current and seen.rolled_out and seen.ready < seen.desired:
+        if scaling_up_from is not None and seen.ready >= scaling_up_from:  # the new pods are starting
+            return (False, "ScalingUp", f"{seen.ready}/{seen.desired} replica(s) ready, scaling up from "
+                                        f"{scaling_up_from}")
         return (True, "ReplicasUnavailable", f"{seen.ready}/{seen.desired} replica(s) ready")
     return (False, "AsExpected", "serving as the spec asks" if serving else "nothing is degraded")
 

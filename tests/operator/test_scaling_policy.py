@@ -62,11 +62,50 @@ def test_high_within_the_cooldown_holds_and_says_when_to_look_again():
     assert decide(firing(sig.HIGH, seen=30, value=0.9), state=state, now=61).replicas == 4
 
 
-def test_evidence_older_than_the_last_change_moves_nothing():
-    # The alert fired before the last step and nothing was delivered since: a replay, or
-    # Prometheus went quiet. No step on old news, however long the wait.
+def test_a_high_alert_that_keeps_firing_keeps_stepping_toward_its_goal_after_each_cooldown():
+    # 1 replica at 0.9 against 0.2 asks for ceil(4.5) = 5; maxStep 2. Alertmanager repeats the
+    # unchanged alert only every repeat_interval: the steps do not wait for it.
+    policy = scaling.Policy(1, 8, 0.2, 2, up_cooldown=60, down_cooldown=300, stabilization=120)
+    signals = firing(sig.HIGH, seen=0, value=0.9)
+    d = decide(signals, current=1, now=1, policy=policy)
+    assert (d.replicas, d.goal, d.message) == (3, 5, "utilization 0.90, target 0.20; goal 5")
+    state, _ = scaling.next_state({}, 1, d, at(1))
+    assert state["goal"] == 5
+    d = decide(signals, current=3, ready=2, state=state, now=30, policy=policy)
+    assert (d.replicas, d.reason, d.goal) == (3, "WaitingForReplicas", 5)
+    d = decide(signals, current=3, state=state, now=30, policy=policy)
+    assert (d.replicas, d.reason, d.look_again) == (3, "CooldownActive", 31)
+    state, _ = scaling.next_state(state, 3, d, at(30))
+    d = decide(signals, current=3, state=state, now=61, policy=policy)
+    assert (d.replicas, d.reason) == (5, "UtilizationHigh")
+    state, _ = scaling.next_state(state, 3, d, at(61))
+    # The goal reached, old evidence asks for nothing more; a delivery since sets a new goal
+    # from the count serving now (5 x 0.3 / 0.2 = 7.5 -> 8, two at a time).
+    assert decide(signals, current=5, state=state, now=500, policy=policy) == scaling.Decision(5, None)
+    d = decide(firing(sig.HIGH, seen=200, value=0.3), current=5, state=state, now=200, policy=policy)
+    assert (d.replicas, d.goal) == (7, 8)
+
+
+def test_old_evidence_without_a_goal_moves_nothing():
+    # Fired before the last step, nothing delivered since, no goal recorded (an older
+    # operator's status): no step on old news, however long the wait.
     state = {"replicas": 4, "lastScaleTime": sig.format_time(at(50))}
     assert decide(firing(sig.HIGH, seen=40, value=0.9), current=4, state=state, now=500) == scaling.Decision(4, None)
+    assert decide(firing(sig.LOW, seen=40, value=0.0), current=4, state=state, now=500) == scaling.Decision(4, None)
+
+
+def test_a_low_alert_that_keeps_firing_keeps_stepping_down_toward_its_goal():
+    d = decide(firing(sig.LOW, value=0.1), current=6, now=121)  # 6 x 0.1/0.5 -> 2, two at a time
+    assert (d.replicas, d.goal) == (4, 2)
+    state, _ = scaling.next_state({}, 6, d, at(121))
+    d = decide(firing(sig.LOW, value=0.1), current=4, state=state, now=121 + 301)
+    assert (d.replicas, d.reason) == (2, "UtilizationLow")
+
+
+def test_a_high_alert_without_a_value_steps_by_one_per_cooldown_while_it_fires():
+    state = {"replicas": 3, "lastScaleTime": sig.format_time(at(50))}
+    d = decide(firing(sig.HIGH, seen=40), current=3, state=state, now=111)
+    assert (d.replicas, d.reason, d.goal) == (4, "UtilizationHigh", 4)
 
 
 def test_a_stale_signal_is_a_hold():

@@ -12,7 +12,7 @@ import kopf
 import pytest
 
 from kiln.operator import builders as b
-from kiln.operator import engines, reconcile, rollout, serving, steps
+from kiln.operator import engines, reconcile, rollout, scaling, serving, steps
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import ApiError
 from kiln.runtime import spec as specmod
@@ -273,6 +273,25 @@ def test_available(observation, invalid, waiting, want):
 ])
 def test_degraded(observation, invalid, failed, current, want):
     assert serving.degraded(observation, invalid, failed, current)[:2] == want
+
+
+def test_a_scale_up_whose_new_pods_are_starting_is_not_degraded():
+    # 1 -> 3: the one that served before still serves; losing it while scaling is degradation.
+    assert serving.degraded(seen(ready=1, desired=3), None, False, True, scaling_up_from=1)[:2] == (False, "ScalingUp")
+    assert serving.degraded(seen(ready=1, desired=3), None, False, True, scaling_up_from=2)[:2] == (
+        True, "ReplicasUnavailable")
+
+
+def test_a_scale_up_counts_as_one_while_its_pods_may_still_start():
+    state, _ = scaling.next_state({}, 1, scaling.Decision(3, "UtilizationHigh", "KilnUtilizationHigh"), T0)
+    later = lambda s: T0 + datetime.timedelta(seconds=s)  # noqa: E731
+    assert scaling.scaled_up_from(state, later(30), within=60) == 1
+    waiting, _ = scaling.next_state(state, 3, scaling.Decision(3, "WaitingForReplicas", "KilnUtilizationHigh"),
+                                    later(31))
+    assert scaling.scaled_up_from(waiting, later(32), within=60) == 1  # a hold since does not end it
+    assert scaling.scaled_up_from(state, later(61), within=60) is None  # past the startup budget: degraded
+    down, _ = scaling.next_state(state, 3, scaling.Decision(2, "UtilizationLow", "KilnUtilizationLow"), later(40))
+    assert scaling.scaled_up_from(down, later(41), within=60) is None
 
 
 def test_progressing():
