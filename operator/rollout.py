@@ -32,7 +32,7 @@ from kiln.operator.steps import Condition, Owns, Pass, StepResult
 from kiln.runtime import contract
 
 OWNS = Owns(conditions=("Progressing",), fields=("engineKey", "stable", "canary", "rollback"),
-            sticky=("canary", "rollback"))
+            sticky=("canary", "rollback"), refused="Progressing")
 ANN_ACTION = contract.ANN_ROLLOUT_ACTION
 
 
