@@ -71,6 +71,14 @@ def test_a_minimal_manifest_is_accepted():
     assert spec.validate({"model": {"uri": "https://models.example.com/m.onnx", "version": "1"}}) == []
 
 
+def test_an_http_uri_is_accepted_with_a_pinned_digest():
+    # An in-cluster model store without TLS: the digest, which the builder checks, is the integrity.
+    uri = "http://models.models.svc.cluster.local/resnet50/v1.onnx"
+    assert spec.validate_for_cluster({"model": {"uri": uri, "version": "1", "sha256": "ab" * 32}}) == []
+    assert spec.validate({"model": {"uri": uri, "version": "1"}}) == expected_messages(
+        Path(__file__).parent / "invalid" / "uri-http-without-sha256.yaml")
+
+
 # ------------------------------------------------------------------ rejected manifests
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
