@@ -221,11 +221,16 @@ def refused(p: Pass, steps: Mapping[str, Owns], results: Mapping[str, StepResult
 
 ANY = None
 # The phase, from the conditions: the first row whose every (type: (status, reason)) matches.
+# These phases are the CRD's status.phase enum (tests/operator/test_steps.py checks both ways).
 PHASES: tuple[tuple[str, dict[str, tuple[str, str | None]]], ...] = (
     ("Failed", {"EngineReady": (cond.FALSE, "InvalidSpec")}),
     ("Failed", {"EngineReady": (cond.FALSE, "BuildFailed"), "Available": (cond.FALSE, ANY)}),
     ("Degraded", {"Degraded": (cond.TRUE, ANY)}),
     ("Building", {"EngineReady": (cond.FALSE, ANY)}),
+    # A canary rollout runs beside the stable version that serves (rollout.canary_progressing's reasons).
+    ("Progressing", {"Progressing": (cond.TRUE, "Canary"), "Available": (cond.TRUE, ANY)}),
+    ("Progressing", {"Progressing": (cond.TRUE, "RolloutPaused"), "Available": (cond.TRUE, ANY)}),
+    ("Progressing", {"Progressing": (cond.TRUE, "Promoting"), "Available": (cond.TRUE, ANY)}),
     ("Deploying", {"Progressing": (cond.TRUE, ANY)}),
     ("Ready", {"Available": (cond.FALSE, "ScaledToZero")}),
     ("Deploying", {"Available": (cond.FALSE, ANY)}),

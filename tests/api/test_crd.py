@@ -151,7 +151,7 @@ def test_status_written_by_the_operator_is_accepted():
     obj["status"]["conditions"].append(dict(obj["status"]["conditions"][0]))
     obj["status"]["phase"] = "Happy"
     assert spec.validate(obj) == [
-        'status.phase: Unsupported value: "Happy": supported values: "Pending", "Building", '
+        'status.phase: Unsupported value: "Happy": supported values: "Building", '
         '"Deploying", "Ready", "Progressing", "Degraded", "Failed"',
         'status.conditions[1]: Duplicate value: {"type": "EngineReady"}',
         spec.RULES_NOT_CHECKED,  # an unsupported value stops the CEL rules, as in the API server

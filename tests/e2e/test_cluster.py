@@ -643,14 +643,16 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
 
             # A good version: every step analyzed and passed, the route's weights follow, promoted.
             apply("2", model_version(models, "2"))
-            seen_weights, seen_grpc_weights = set(), set()
+            seen_weights, seen_grpc_weights, seen_phases = set(), set(), set()
             def promoted() -> bool:
                 seen_weights.add(weights()["iris-canary"])
                 seen_grpc_weights.add(grpc_weights()["iris-canary"])
                 st = status()
+                seen_phases.add(st.get("phase"))
                 return st.get("stable", {}).get("version") == "2" and not st.get("canary")
             wait_for(promoted, 240, "version 2 promoted through both steps")
             assert {25, 50} <= seen_weights and weights() == {"iris": 100, "iris-canary": 0}
+            assert "Progressing" in seen_phases, seen_phases  # the phase `kubectl get kim` shows during the steps
             # gRPC clients' route follows the same steps.
             assert {25, 50} <= seen_grpc_weights and grpc_weights() == {"iris": 100, "iris-canary": 0}
             wait_for(lambda: {"RolloutStarted", "RolloutStep", "Promoting", "Promoted", "TrafficShifted"} <= {

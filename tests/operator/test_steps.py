@@ -221,6 +221,24 @@ def test_phase_table(conditions, phase):
     assert steps.phase_of(conditions) == phase
 
 
+def test_the_phases_the_crd_lists_are_the_phases_the_table_produces():
+    enum = specmod.schema()["properties"]["status"]["properties"]["phase"]["enum"]
+    assert sorted(enum) == sorted({phase for phase, _ in steps.PHASES})
+    for phase, when in steps.PHASES:  # every row can be reached: none hides behind an earlier one
+        conditions = [{"type": t, "status": s, "reason": r or "Other"} for t, (s, r) in when.items()]
+        assert steps.phase_of(conditions) == phase, when
+
+
+@pytest.mark.parametrize("canary_phase", ["Progressing", "Paused", "Promoting"])
+def test_a_running_canary_is_the_phase_progressing(canary_phase):
+    state = {"engineKey": "k2", "step": 0, "weight": 20, "targetWeight": 20, "phase": canary_phase}
+    plan = rollout.cn.Plan(canary_key="k2", promote=canary_phase == "Promoting", state=state, rollback=None)
+    serving_stable = conds(EngineReady=("True", "EnginesReady"), Available=("True", "MinimumReplicasAvailable"),
+                           Degraded=("False", "AsExpected"))
+    value, reason, _ = rollout.canary_progressing("2", [obs("Ready", "k2")], plan)
+    assert steps.phase_of(serving_stable + conds(Progressing=("True" if value else "False", reason))) == "Progressing"
+
+
 # ------------------------------------------------------------------------ pure decisions
 
 def obs(state, key="k1", **kw):
