@@ -308,6 +308,13 @@ def runtime_name(model_name: str, track: str = STABLE) -> str:
     return f"{model_name}-runtime" if track == STABLE else f"{model_name}-canary"
 
 
+def service_name(model_name: str, track: str = STABLE) -> str:
+    """The Service of a track: `<model>`, and `<model>-canary` beside it with the Gateway API.
+    The longest DNS-1035 label made from a model's name: the CRD's metadata.name rule keeps
+    it within 63 characters."""
+    return model_name if track == STABLE else f"{model_name}-canary"
+
+
 def selector_labels(model_name: str, track: str = STABLE) -> dict[str, str]:
     return {LABEL_MODEL: model_name, LABEL_TRACK: track}
 
@@ -470,7 +477,7 @@ def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any], track: st
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name if track == STABLE else f"{name}-canary", "namespace": meta["namespace"],
+        "metadata": {"name": service_name(name, track), "namespace": meta["namespace"],
                      "labels": {LABEL_MODEL: name, "app.kubernetes.io/name": "kiln-runtime",
                                 "app.kubernetes.io/instance": name, **MANAGED_BY},
                      "ownerReferences": [owner_reference(model)]},

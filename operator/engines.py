@@ -21,7 +21,7 @@ from kiln.operator.kube import ApiError
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
 from kiln.runtime import contract
 
-OWNS = Owns(conditions=("EngineReady",), fields=("engines",))
+OWNS = Owns(conditions=("EngineReady",), fields=("engines",), refused="EngineReady")
 
 
 @dataclasses.dataclass
@@ -211,7 +211,9 @@ async def _recreate(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any])
                                 message=f"Job {engine.job_name} is still being deleted")
     try:
         new_job, _ = await kube.create(builders.build_job(p.model, p.spec, engine, p.ctx.config))
-    except ApiError:
+    except ApiError as e:
+        if e.refused:
+            raise
         return waiting
     if new_job["metadata"].get("uid") == uid:
         return waiting

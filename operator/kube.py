@@ -9,6 +9,8 @@ a thread (`asyncio.to_thread`), so they never block kopf's event loop.
 - Patches are JSON merge patches (RFC 7386); a `resourceVersion` in the patch makes it
   conditional (409 on a concurrent change).
 - `delete` treats 404 as done.
+- An `ApiError` says what was asked (`action`) and whether the API server refused it
+  (`refused`: the reconcile makes that an Event and a condition).
 - Every call is counted (`calls`), so tests and benchmarks can see what reconciling costs.
 """
 
@@ -50,6 +52,18 @@ class ApiError(Exception):
     def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status, self.reason, self.message = status, reason, message
+        self.action = ""  # what was asked, for people: "create Deployment ns/name" (set by the verbs)
+
+    @property
+    def refused(self) -> bool:
+        """The API server refused the request itself (invalid, forbidden, bad): asking again
+        fails the same way until someone changes something (the spec, RBAC, a quota, a
+        policy). Not a missing object, a conflict or throttling."""
+        return 400 <= self.status < 500 and self.status not in (404, 409, 410, 429)
+
+    def asked(self, verb: str, kind: str, namespace: str | None, name: str, subresource: str | None = None) -> "ApiError":
+        self.action = f"{verb} {kind} {namespace}/{name}" + (f" ({subresource})" if subresource else "")
+        return self
 
 
 def path_for(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
@@ -157,7 +171,7 @@ class Kube:
         except ApiError as e:
             if e.status == 404:
                 return None
-            raise
+            raise e.asked("get", kind, namespace, name)
 
     async def create(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create `obj`; on 409 answer the existing object. Returns (object, created)."""
@@ -166,7 +180,7 @@ class Kube:
             return await self.request("POST", path_for(obj["kind"], meta.get("namespace")), body=dict(obj)), True
         except ApiError as e:
             if e.status != 409:
-                raise
+                raise e.asked("create", obj["kind"], meta.get("namespace"), meta["name"])
         existing = await self.get(obj["kind"], meta.get("namespace"), meta["name"])
         if existing is None:  # deleted in between: the caller's next pass creates it
             raise ApiError(409, "Conflict", f"{obj['kind']} {meta['name']} exists but could not be read")
@@ -176,9 +190,12 @@ class Kube:
                     subresource: str | None = None) -> dict[str, Any]:
         """A merge patch (a mapping), or a JSON Patch (a list of operations)."""
         json_patch = isinstance(patch, list)
-        return await self.request("PATCH", path_for(kind, namespace, name, subresource),
-                                  body=list(patch) if json_patch else dict(patch),
-                                  content_type=JSON_PATCH if json_patch else MERGE_PATCH)
+        try:
+            return await self.request("PATCH", path_for(kind, namespace, name, subresource),
+                                      body=list(patch) if json_patch else dict(patch),
+                                      content_type=JSON_PATCH if json_patch else MERGE_PATCH)
+        except ApiError as e:
+            raise e.asked("patch", kind, namespace, name, subresource)
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
@@ -190,7 +207,7 @@ class Kube:
         except ApiError as e:
             if e.status in (404, 409):  # gone already, or a newer object took the name
                 return False
-            raise
+            raise e.asked("delete", kind, namespace, name)
 
     async def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str,
                     now: datetime.datetime | None = None) -> None:

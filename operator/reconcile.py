@@ -6,9 +6,10 @@ steps in order - engines, scaling, rollout, serving (`STEPS`; each a module that
 it owns and does) - over one `steps.Pass`, merges what they return (`steps.merge`: a
 condition or field owned twice, or returned by a step that does not own it, is an error),
 writes status only when it changed, then posts the Events. An error raised midway still
-posts the Events of what was already done. Steps read kopf's in-memory indexes (no API
-reads) and write only where the desired state differs, so an idle operator makes no API
-calls.
+posts the Events of what was already done; a request the API server refuses
+(`ApiError.refused`) is no error but status (`steps.refused`), an Event, and another pass
+after a backoff. Steps read kopf's in-memory indexes (no API reads) and write only where
+the desired state differs, so an idle operator makes no API calls.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import kopf
 
 from kiln.operator import engines, rollout, scaling, serving
 from kiln.operator.kube import ApiError
-from kiln.operator.steps import (RECONCILE_OWNS, Context, Event, Owns, Pass, StepResult, Views,  # noqa: F401
-                                 merge)
+from kiln.operator.steps import (RECONCILE_OWNS, REFUSED, Context, Event, Owns, Pass, StepResult, Views,  # noqa: F401
+                                 merge, refusal, refused)
 from kiln.runtime import contract
 
 logger = logging.getLogger("kiln.operator.reconcile")
@@ -62,18 +63,34 @@ async def _reconcile(ctx: Context, model: Mapping[str, Any], views: Views) -> Ou
     p = Pass(ctx, model, views, spec, engine_refs, "; ".join(problems) if problems else None, previous)
     results: dict[str, StepResult] = {}
     events: list[Event] = []
+    refused_now = False
     try:
         for name, (run, _) in STEPS.items():
-            results[name] = await run(p)
+            try:
+                results[name] = await run(p)
+            except ApiError as e:
+                if not e.refused:
+                    raise
+                results.update(refused(p, OWNERS, results, name, e))
+                events += p.events + results[name].events
+                p.events, refused_now = [], True
+                break
             p.out[name] = results[name].out
             events += p.events + results[name].events
             p.events = []
         status = merge(p, OWNERS, results)
         if status["phase"] == "Ready" and previous.get("phase") != "Ready":
             events.append(("Normal", "Ready", f"version {p.version} is serving with engine {status.get('engineKey', '')}"))
-        await _write_status(ctx, model, previous, status)
+        try:
+            await _write_status(ctx, model, previous, status)
+        except ApiError as e:
+            if not e.refused:
+                raise
+            events.append(("Warning", REFUSED, refusal(e)))  # no condition can say it
+            refused_now = True
     finally:  # an error midway still tells what was done (p.events: the failing step's actions so far)
         await _post_events(ctx, model, events + p.events)
+    _back_off(ctx, p, refused_now)
     if p.invalid is not None:
         raise kopf.PermanentError(f"the spec cannot work: {p.invalid}")
     wake_after = min((r.wake_after for r in results.values() if r.wake_after is not None), default=None)
@@ -85,6 +102,16 @@ async def _reconcile(ctx: Context, model: Mapping[str, Any], views: Views) -> Ou
     writes = sum(ctx.kube.calls[m] for m in ("POST", "PATCH", "DELETE")) - writes_before
     waiting = any(r.waiting for r in results.values()) or status["phase"] in ("Building", "Deploying")
     return Outcome(status["phase"], waiting, writes, wake_after)
+
+
+def _back_off(ctx: Context, p: Pass, refused_now: bool) -> None:
+    """After a refused pass, another one later, and later each time: someone may fix the
+    cause (RBAC, a quota, the spec), and no watch event says so."""
+    if not refused_now:
+        ctx.refusals.pop(p.uid, None)
+        return
+    tries = ctx.refusals[p.uid] = ctx.refusals.get(p.uid, 0) + 1
+    ctx.wake(p.ns, p.name, p.uid, min(ctx.config.retry_seconds * 2 ** (tries - 1), ctx.config.resync_seconds))
 
 
 # The status fields the steps and the reconcile own: cleared when no step sets them, unless

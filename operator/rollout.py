@@ -32,7 +32,7 @@ from kiln.operator.steps import Condition, Owns, Pass, StepResult
 from kiln.runtime import contract
 
 OWNS = Owns(conditions=("Progressing",), fields=("engineKey", "stable", "canary", "rollback"),
-            sticky=("canary", "rollback"))
+            sticky=("canary", "rollback"), refused="Progressing")
 ANN_ACTION = contract.ANN_ROLLOUT_ACTION
 
 
@@ -224,7 +224,8 @@ async def shift_traffic(p: Pass, weight: int) -> bool:
             if live is None:
                 raise ValueError(f"{kind} {p.ns}/{route} does not exist")
             await p.ctx.kube.patch(kind, p.ns, route, builders.route_weights_patch(
-                live, {p.name: 100 - weight, f"{p.name}-canary": weight}))
+                live, {builders.service_name(p.name): 100 - weight,
+                       builders.service_name(p.name, builders.CANARY): weight}))
         except (ValueError, ApiError) as e:
             p.record("Warning", "TrafficNotShifted", f"canary weight {weight}% not set on the {kind}: {e}")
             shifted = False

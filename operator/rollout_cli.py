@@ -208,7 +208,7 @@ def describe(obj: Mapping[str, Any], now: datetime.datetime) -> str:
     rollout = (specmod.apply_defaults(obj.get("spec") or {}).get("rollout") or {})
     steps = rollout.get("steps") or []
     limit = (rollout.get("analysis") or {}).get("failureLimit")
-    lines = [f"{KIND} {meta.get('namespace')}/{meta['name']}: {status.get('phase') or 'Pending'}"]
+    lines = [f"{KIND} {meta.get('namespace')}/{meta['name']}: {status.get('phase') or 'no status yet'}"]
 
     stable = status.get("stable")
     if stable:

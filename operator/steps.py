@@ -5,7 +5,8 @@ indexes in production, plain dicts in tests), decides with pure functions, acts 
 `p.ctx.kube`, records each Event of what it did the moment it did it (`p.record`, so an
 error raised later loses none), and returns only what it owns (`OWNS`). The reconcile
 merges the results (`merge`), derives the phase from the conditions (`PHASES`) and writes
-status once.
+status once. A request the API server refuses stops the pass at the step that made it
+(`refused`): status and an Event say so, and the reconcile tries again with a backoff.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Callable, Mapping
 from kiln.operator import builders
 from kiln.operator import conditions as cond
 from kiln.operator.config import OperatorConfig
-from kiln.operator.kube import Kube
+from kiln.operator.kube import ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
 from kiln.runtime import spec as specmod
 
@@ -63,6 +64,7 @@ class Context:
     stuck_drift: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
     plans: dict[str, tuple[str, dict[str, Any], list[str], list[builders.EngineRef]]] = dataclasses.field(
         default_factory=dict)
+    refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # uid -> passes refused in a row (backoff)
 
     def plan(self, uid: str, raw_spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[builders.EngineRef]]:
         """Defaulted spec, validation problems, engines - computed once per distinct spec
@@ -90,6 +92,7 @@ class Context:
         self.last_status.pop(uid, None)
         self.plans.pop(uid, None)
         self.signals_seen.pop(uid, None)
+        self.refusals.pop(uid, None)
 
 
 @dataclasses.dataclass
@@ -139,6 +142,7 @@ class Owns:
     conditions: tuple[str, ...] = ()
     fields: tuple[str, ...] = ()
     sticky: tuple[str, ...] = ()  # owned fields kept as they are while the step does not set them
+    refused: str = ""  # the condition set False (reason ApiRefused) when the API server refuses this step
 
 
 @dataclasses.dataclass
@@ -188,13 +192,45 @@ def merge(p: Pass, steps: Mapping[str, Owns], results: Mapping[str, StepResult])
     return status
 
 
+REFUSED = "ApiRefused"
+
+
+def refusal(error: ApiError) -> str:
+    return (f"the API server refused to {error.action or 'answer a request'} ({error.status} {error.reason}): "
+            f"{error.message}; retrying")
+
+
+def refused(p: Pass, steps: Mapping[str, Owns], results: Mapping[str, StepResult], step: str,
+            error: ApiError) -> dict[str, StepResult]:
+    """The results of the steps a refused request stopped (`step` and those after it): each
+    keeps what it owns as it was; `Degraded`, and the refused step's own condition, say why;
+    a Warning Event tells it once (not again while the same refusal repeats)."""
+    message = refusal(error)
+    out = {name: StepResult(status={f: p.previous[f] for f in owns.fields if p.previous.get(f) is not None})
+           for name, owns in steps.items() if name not in results}
+    if steps[step].refused:
+        out[step].conditions[steps[step].refused] = (False, REFUSED, message)
+    owner = owners(steps).get("condition:Degraded")
+    if owner is not None:
+        (out.get(owner) or results[owner]).conditions["Degraded"] = (True, REFUSED, message)
+    told = p.previous_condition("Degraded")
+    if (told.get("reason"), told.get("message")) != (REFUSED, message):
+        out[step].events.append(("Warning", REFUSED, message))
+    return out
+
+
 ANY = None
 # The phase, from the conditions: the first row whose every (type: (status, reason)) matches.
+# These phases are the CRD's status.phase enum (tests/operator/test_steps.py checks both ways).
 PHASES: tuple[tuple[str, dict[str, tuple[str, str | None]]], ...] = (
     ("Failed", {"EngineReady": (cond.FALSE, "InvalidSpec")}),
     ("Failed", {"EngineReady": (cond.FALSE, "BuildFailed"), "Available": (cond.FALSE, ANY)}),
     ("Degraded", {"Degraded": (cond.TRUE, ANY)}),
     ("Building", {"EngineReady": (cond.FALSE, ANY)}),
+    # A canary rollout runs beside the stable version that serves (rollout.canary_progressing's reasons).
+    ("Progressing", {"Progressing": (cond.TRUE, "Canary"), "Available": (cond.TRUE, ANY)}),
+    ("Progressing", {"Progressing": (cond.TRUE, "RolloutPaused"), "Available": (cond.TRUE, ANY)}),
+    ("Progressing", {"Progressing": (cond.TRUE, "Promoting"), "Available": (cond.TRUE, ANY)}),
     ("Deploying", {"Progressing": (cond.TRUE, ANY)}),
     ("Ready", {"Available": (cond.FALSE, "ScaledToZero")}),
     ("Deploying", {"Available": (cond.FALSE, ANY)}),

@@ -2,11 +2,12 @@
 
 Sources: `pvc://<claim>/<path>` (the claim mounted at `<pvc_root>/<claim>`; symlinks may
 not leave it), `https://` and `http://` (timeout and size bound, streamed to a temporary
-file), `s3://<bucket>/<key>` (boto3, the `kiln-operator[s3]` extra), and, only with
-`allow_local_files` (`kiln dev`), `file:///<path>` and plain paths: a build Job must not
-read its node's disk. Local sources are read only when they are regular files (a FIFO,
-a device or a directory is refused, without blocking). Failures are typed
-(runtime.errors) so `kiln build` exits with a code a Job status can be read by.
+file; `http://` only with a pinned sha256, as the CRD says), `s3://<bucket>/<key>`
+(boto3, the `kiln-operator[s3]` extra), and, only with `allow_local_files` (`kiln dev`),
+`file:///<path>` and plain paths: a build Job must not read its node's disk. Local sources
+are read only when they are regular files (a FIFO, a device or a directory is refused,
+without blocking). Failures are typed (runtime.errors) so `kiln build` exits with a code a
+Job status can be read by.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def fetch_model(uri: str, workdir: str | os.PathLike, *, sha256: str | None = No
         sha256 = sha256.lower()
         if not _SHA256.match(sha256):
             raise BadRequest(f"model.sha256 must be 64 hex characters, got {sha256!r}")
+    if sha256 is None and urllib.parse.urlsplit(uri).scheme == "http":
+        raise BadRequest(f"{uri}: an http:// model URI needs model.sha256: plain HTTP can be changed on the way, "
+                         f"and the digest is what the file is checked against; pin it or use https://")
     path = local_path(uri, pvc_root, allow_local_files=allow_local_files)
     try:
         if path is not None:

@@ -257,7 +257,11 @@ def validate(obj: Mapping) -> list[str]:
     value = apply_defaults(plain)
     schema_errors, blocking = _schema_errors(value, node, prefix)
     errors += schema_errors
-    errors += _walk_k8s(value, node, prefix, rules=not blocking)
+    # A whole object with no name (or not a string) never reaches the rules: the API server
+    # stops at that. The root's rules read metadata.name.
+    name = _get(plain, "metadata", "name")
+    unnamed = not prefix and not (isinstance(name, str) and name)
+    errors += _walk_k8s(value, node, prefix, rules=not blocking and not unnamed)
     if blocking:
         errors.append(RULES_NOT_CHECKED)
     errors += _builder_flag_errors(value, prefix)

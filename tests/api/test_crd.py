@@ -71,6 +71,14 @@ def test_a_minimal_manifest_is_accepted():
     assert spec.validate({"model": {"uri": "https://models.example.com/m.onnx", "version": "1"}}) == []
 
 
+def test_an_http_uri_is_accepted_with_a_pinned_digest():
+    # An in-cluster model store without TLS: the digest, which the builder checks, is the integrity.
+    uri = "http://models.models.svc.cluster.local/resnet50/v1.onnx"
+    assert spec.validate_for_cluster({"model": {"uri": uri, "version": "1", "sha256": "ab" * 32}}) == []
+    assert spec.validate({"model": {"uri": uri, "version": "1"}}) == expected_messages(
+        Path(__file__).parent / "invalid" / "uri-http-without-sha256.yaml")
+
+
 # ------------------------------------------------------------------ rejected manifests
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
@@ -143,7 +151,7 @@ def test_status_written_by_the_operator_is_accepted():
     obj["status"]["conditions"].append(dict(obj["status"]["conditions"][0]))
     obj["status"]["phase"] = "Happy"
     assert spec.validate(obj) == [
-        'status.phase: Unsupported value: "Happy": supported values: "Pending", "Building", '
+        'status.phase: Unsupported value: "Happy": supported values: "Building", '
         '"Deploying", "Ready", "Progressing", "Degraded", "Failed"',
         'status.conditions[1]: Duplicate value: {"type": "EngineReady"}',
         spec.RULES_NOT_CHECKED,  # an unsupported value stops the CEL rules, as in the API server

@@ -193,17 +193,25 @@ LABEL = ("a lowercase RFC 1123 label must consist of lower case alphanumeric cha
          "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
 
 
+# The CRD's own rules on the name (at its root): what the objects Kiln makes can carry.
+TOO_LONG, NOT_A_SERVICE_NAME = (f"<nil>: Invalid value: {r['message']}" for r in spec.schema()["x-kubernetes-validations"])
+
+
 @pytest.mark.parametrize("name", ["Resnet", "RESNET", "res_net", "res net", "-resnet", "resnet-", "resnet.",
                                   ".resnet", "res..net", "résnet", "resnet/1"])
 def test_an_invalid_name_gets_the_api_servers_message(name):
-    assert spec.validate(obj(metadata__name=name)) == [f'metadata.name: Invalid value: "{name}": {SUBDOMAIN}']
+    assert spec.validate(obj(metadata__name=name)) == [f'metadata.name: Invalid value: "{name}": {SUBDOMAIN}',
+                                                       NOT_A_SERVICE_NAME]
 
 
 def test_names_the_api_server_accepts_and_lengths():
-    for name in ("r", "resnet", "resnet-50", "resnet.v1.example", "0", "a" * 253):
+    for name in ("r", "resnet", "resnet-50", "a" * 56):
         assert spec.validate(obj(metadata__name=name)) == [], name
+    for name in ("resnet.v1.example", "0", "9lives"):  # Kubernetes names, but no Service's
+        assert spec.validate(obj(metadata__name=name)) == [NOT_A_SERVICE_NAME], name
+    assert spec.validate(obj(metadata__name="a" * 57)) == [TOO_LONG]
     assert spec.validate(obj(metadata__name="a" * 254)) == [
-        f'metadata.name: Invalid value: "{"a" * 254}": must be no more than 253 characters']
+        f'metadata.name: Invalid value: "{"a" * 254}": must be no more than 253 characters', TOO_LONG]
     assert spec.validate(obj(metadata__name=...)) == ["metadata.name: Required value"]
     assert spec.validate(obj(metadata__name="")) == ["metadata.name: Required value"]
     assert spec.validate(obj(metadata__name=50)) == [

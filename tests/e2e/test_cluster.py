@@ -271,6 +271,43 @@ def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, n
              and not jobs(api, namespace), 120, "the garbage collector to remove the model's children")
 
 
+# ------------------------------------------------------------------------ a write the API server refuses
+
+def test_a_build_job_the_api_server_refuses_is_a_condition_and_a_warning_until_the_spec_is_fixed(
+        api, kubectl, namespace, transcript):
+    transcript.section("A write the API server refuses")
+    model = iris(namespace, "1", "0" * 64)
+    # The CRD passes core ResourceRequirements through; the core API refuses requests above limits.
+    model["spec"]["build"] = {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}
+    kubectl("apply", "-f", "-", input=json.dumps(model))
+
+    def conditions() -> dict:
+        return {c["type"]: c for c in api.status(namespace, "iris").get("conditions") or ()}
+
+    refused = wait_for(lambda: conditions() if conditions().get("Degraded", {}).get("reason") == "ApiRefused" else None,
+                       60, f"Degraded=ApiRefused (status: {dump(api.status(namespace, 'iris'))})")
+    message = refused["Degraded"]["message"]
+    assert message.startswith(f"the API server refused to create Job {namespace}/kiln-build-"), message
+    assert "(422 Invalid)" in message and "must be less than or equal to cpu limit of 1" in message, message
+    assert (refused["EngineReady"]["reason"], refused["EngineReady"]["message"]) == ("ApiRefused", message)
+    assert api.status(namespace, "iris")["phase"] == "Degraded" and not jobs(api, namespace)
+    events = f"/api/v1/namespaces/{namespace}/events"
+    [warning] = wait_for(lambda: [e for e in api.items(events) if e["reason"] == "ApiRefused"], 30, "the Warning")
+    assert (warning["type"], warning["message"], warning["involvedObject"]["name"]) == ("Warning", message, "iris")
+    kubectl("get", "kim", "-n", namespace, show=True)
+    kubectl("get", "events", "-n", namespace, "--field-selector", "reason=ApiRefused",
+            "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message", show=True)
+
+    # Fixed: the Job is created, and the refusal is gone from status.
+    kubectl("patch", "kim", "iris", "-n", namespace, "--type=merge",
+            "-p", json.dumps({"spec": {"build": {"resources": {"requests": {"cpu": "1"}}}}}))
+    wait_for(lambda: jobs(api, namespace), 60, "the build Job, once the spec is fixed")
+    fixed = wait_for(lambda: conditions() if conditions()["Degraded"]["reason"] != "ApiRefused" else None, 30,
+                     "Degraded no longer ApiRefused")
+    assert fixed["EngineReady"]["reason"] == "Building"
+    assert len([e for e in api.items(events) if e["reason"] == "ApiRefused"]) == 1  # told once
+
+
 # ------------------------------------------------------------------------ autoscaling from real alerts
 
 # The chart's rules with windows short enough for a test (the shipped ones are minutes).
@@ -617,14 +654,16 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
 
             # A good version: every step analyzed and passed, the route's weights follow, promoted.
             apply("2", model_version(models, "2"))
-            seen_weights, seen_grpc_weights = set(), set()
+            seen_weights, seen_grpc_weights, seen_phases = set(), set(), set()
             def promoted() -> bool:
                 seen_weights.add(weights()["iris-canary"])
                 seen_grpc_weights.add(grpc_weights()["iris-canary"])
                 st = status()
+                seen_phases.add(st.get("phase"))
                 return st.get("stable", {}).get("version") == "2" and not st.get("canary")
             wait_for(promoted, 240, "version 2 promoted through both steps")
             assert {25, 50} <= seen_weights and weights() == {"iris": 100, "iris-canary": 0}
+            assert "Progressing" in seen_phases, seen_phases  # the phase `kubectl get kim` shows during the steps
             # gRPC clients' route follows the same steps.
             assert {25, 50} <= seen_grpc_weights and grpc_weights() == {"iris": 100, "iris-canary": 0}
             wait_for(lambda: {"RolloutStarted", "RolloutStep", "Promoting", "Promoted", "TrafficShifted"} <= {

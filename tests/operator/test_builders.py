@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -299,6 +300,55 @@ class TestRuntimeService:
         assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"},
                                         {"name": "grpc", "port": 8081, "targetPort": "grpc", "protocol": "TCP",
                                          "appProtocol": "grpc"}]
+
+
+class TestNames:
+    """Every name and label value Kiln derives from a model's name fits Kubernetes' limits for
+    the longest name the CRD accepts (its metadata.name rules), and that limit is no tighter
+    than the longest derived name needs."""
+
+    DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Service names, at most 63
+    SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # at most 253
+    LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")  # at most 63
+
+    @staticmethod
+    def accepted(name: str) -> bool:
+        return specmod.validate({**MODEL, "metadata": {"name": name, "namespace": "vision"},
+                                 "spec": {"model": {"uri": "pvc://m/m.onnx", "version": "1"}}}) == []
+
+    def objects(self, name: str) -> list[dict]:
+        model = {**MODEL, "metadata": {**MODEL["metadata"], "name": name}}
+        s = spec(rollout={"traffic": {"mechanism": "GatewayAPI", "httpRoute": "route"}})
+        engines = b.plan_engines(s, CONFIG)
+        results = {e.index_key: {"path": f"vision/{name}/{e.key}"} for e in engines}
+        return ([b.runtime_deployment(model, s, engines, results, CONFIG, track=t) for t in (b.STABLE, b.CANARY)]
+                + [b.runtime_service(model, s, t) for t in (b.STABLE, b.CANARY)] + [b.build_job(model, s, engines[0], CONFIG)])
+
+    def problems(self, name: str) -> list[str]:
+        found = []
+        for obj in self.objects(name):
+            meta, spec_ = obj["metadata"], obj["spec"]
+            own = obj["metadata"]["name"]
+            if obj["kind"] == "Service" and not (len(own) <= 63 and self.DNS1035.fullmatch(own)):
+                found.append(f"Service name {own}")
+            if not (len(own) <= 253 and self.SUBDOMAIN.fullmatch(own)):
+                found.append(f"{obj['kind']} name {own}")
+            pod = (spec_.get("template") or {}).get("metadata") or {}
+            for labels in (meta.get("labels"), pod.get("labels"), spec_.get("selector"),
+                           (spec_.get("selector") or {}).get("matchLabels")):
+                for k, v in (labels or {}).items():
+                    if isinstance(v, str) and not (len(v) <= 63 and self.LABEL_VALUE.fullmatch(v)):
+                        found.append(f"{obj['kind']} {own} label {k}={v}")
+        return found
+
+    def test_the_longest_name_the_crd_accepts_fits_every_object_and_one_more_would_not(self):
+        longest = next(n for n in range(1, 254) if not self.accepted("m" * (n + 1)))
+        assert self.problems("m" * longest) == []
+        assert self.problems("m" * (longest + 1)) == [f"Service name {'m' * (longest + 1)}-canary"]
+
+    @pytest.mark.parametrize("name", ["dotted.name", "9lives", "a-"])
+    def test_a_name_no_service_can_carry_is_refused(self, name):
+        assert not self.accepted(name)
 
 
 class TestPatches:

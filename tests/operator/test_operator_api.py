@@ -585,7 +585,8 @@ def test_a_canary_that_passes_its_analysis_is_promoted(api, operator, prometheus
     roll_out_track(api, ns, b.runtime_name(name, b.CANARY))
     st = api.wait(lambda: (status(api, ns, name).get("canary") or {}).get("weight") == 50 and status(api, ns, name),
                   10, "the canary's weight in effect")
-    assert st["canary"]["engineKey"] == new and st["phase"] == "Deploying" or condition(st, "Progressing")["status"]
+    assert st["canary"]["engineKey"] == new
+    assert (st["phase"], condition(st, "Progressing")["reason"]) == ("Progressing", "Canary")  # kubectl get kim says so
     # The step passes (vector(0.01) <= 0.05) and lasts 1 s; then the stable Deployment moves.
     # Promoted: the stable Deployment runs the new key at the full count (the count may
     # settle a pass after the key when the canary's pods change readiness meanwhile).
@@ -630,7 +631,7 @@ def test_no_data_pauses_the_rollout_and_abort_by_hand_rolls_it_back(api, operato
     st = api.wait(lambda: (status(api, ns, name).get("canary") or {}).get("phase") == "Paused" and status(api, ns, name),
                   15, "the rollout paused for want of data")
     assert st["canary"]["lastAnalysis"]["result"] == "Inconclusive"
-    assert condition(st, "Progressing")["reason"] == "RolloutPaused"
+    assert (st["phase"], condition(st, "Progressing")["reason"]) == ("Progressing", "RolloutPaused")
     assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
         b.LABEL_ENGINE_KEY] == old  # never promoted on no data
     api.patch("InferenceModel", ns, name, {"metadata": {"annotations": {"rollout.kiln.dev/action": "abort"}}})

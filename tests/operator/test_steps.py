@@ -45,21 +45,27 @@ def merge_patch(target, patch):
 
 
 class FakeKube:
-    """What the operator writes, kept in memory; `fail` makes one kind of write raise."""
+    """What the operator writes, kept in memory; `fail` makes one kind of write raise, `refuse`
+    makes the API server refuse it (`(method, kind, status, message)`)."""
 
-    def __init__(self, fail: tuple[str, str] | None = None) -> None:
+    def __init__(self, fail: tuple[str, str] | None = None, refuse: tuple[str, str, int, str] | None = None) -> None:
         self.calls: collections.Counter[str] = collections.Counter()
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.events: list[tuple[str, str, str]] = []
-        self.fail = fail
+        self.fail, self.refuse = fail, refuse
 
-    def _check(self, method: str, kind: str) -> None:
+    def _check(self, method: str, kind: str, namespace: str = NS, name: str = "") -> None:
         self.calls[method] += 1
         if self.fail == (method, kind):
             raise ApiError(500, "InternalError", f"{method} {kind} failed")
+        if self.refuse and self.refuse[:2] == (method, kind):
+            verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete"}[method]
+            refusal = ApiError(self.refuse[2], "Invalid" if self.refuse[2] == 422 else "Forbidden", self.refuse[3])
+            refusal.action = f"{verb} {kind} {namespace}/{name}"  # as Kube's verbs say it
+            raise refusal
 
     async def create(self, obj):
-        self._check("POST", obj["kind"])
+        self._check("POST", obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         if key in self.objects:
             return self.objects[key], False
@@ -69,7 +75,7 @@ class FakeKube:
         return new, True
 
     async def patch(self, kind, namespace, name, patch, subresource=None):
-        self._check("PATCH", kind)
+        self._check("PATCH", kind, namespace, name)
         key = (kind, namespace, name)
         if key not in self.objects and kind != "InferenceModel":
             raise ApiError(404, "NotFound", name)
@@ -80,7 +86,7 @@ class FakeKube:
         return obj
 
     async def delete(self, kind, namespace, name, uid=None):
-        self._check("DELETE", kind)
+        self._check("DELETE", kind, namespace, name)
         return self.objects.pop((kind, namespace, name), None) is not None
 
     async def event(self, involved, type_, reason, message, now=None):
@@ -213,6 +219,24 @@ def conds(**given):
 ])
 def test_phase_table(conditions, phase):
     assert steps.phase_of(conditions) == phase
+
+
+def test_the_phases_the_crd_lists_are_the_phases_the_table_produces():
+    enum = specmod.schema()["properties"]["status"]["properties"]["phase"]["enum"]
+    assert sorted(enum) == sorted({phase for phase, _ in steps.PHASES})
+    for phase, when in steps.PHASES:  # every row can be reached: none hides behind an earlier one
+        conditions = [{"type": t, "status": s, "reason": r or "Other"} for t, (s, r) in when.items()]
+        assert steps.phase_of(conditions) == phase, when
+
+
+@pytest.mark.parametrize("canary_phase", ["Progressing", "Paused", "Promoting"])
+def test_a_running_canary_is_the_phase_progressing(canary_phase):
+    state = {"engineKey": "k2", "step": 0, "weight": 20, "targetWeight": 20, "phase": canary_phase}
+    plan = rollout.cn.Plan(canary_key="k2", promote=canary_phase == "Promoting", state=state, rollback=None)
+    serving_stable = conds(EngineReady=("True", "EnginesReady"), Available=("True", "MinimumReplicasAvailable"),
+                           Degraded=("False", "AsExpected"))
+    value, reason, _ = rollout.canary_progressing("2", [obs("Ready", "k2")], plan)
+    assert steps.phase_of(serving_stable + conds(Progressing=("True" if value else "False", reason))) == "Progressing"
 
 
 # ------------------------------------------------------------------------ pure decisions
@@ -436,6 +460,68 @@ async def test_a_shared_build_another_model_needs_is_kept():
     world.needing[name] = {NAME, "other-model"}
     await run(c, model(generation=2, model={"version": "2"}), world)
     assert ("Job", NS, name) in kube.objects
+
+
+class Wakes:
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, ns, name, uid, seconds) -> None:
+        self.delays.append(seconds)
+
+
+def condition(st, type_):
+    return next(c for c in st["conditions"] if c["type"] == type_)
+
+
+async def test_a_refused_write_is_a_condition_and_one_warning_and_is_retried_with_a_backoff():
+    message = 'Service "resnet" is invalid: spec.ports[0].port: Invalid value: 0'
+    kube, world, m = FakeKube(refuse=("POST", "Service", 422, message)), World(), model()
+    engine = engine_of(m)
+    world.index = {engine.index_key: json.dumps(result_of(engine))}
+    c = ctx(kube)
+    c.wake = wakes = Wakes()
+    for _ in range(3):
+        await run(c, m, world)  # no exception: the refusal is status
+        world.sync(kube)
+        m["status"] = status_written(kube)
+    st = status_written(kube)
+    said = f"the API server refused to create Service {NS}/{NAME} (422 Invalid): {message}; retrying"
+    assert st["phase"] == "Degraded"
+    assert (condition(st, "Degraded")["status"], condition(st, "Degraded")["reason"],
+            condition(st, "Degraded")["message"]) == ("True", "ApiRefused", said)
+    assert ("Deployment", NS, b.runtime_name(NAME)) in kube.objects  # what the step did before stays done
+    assert [e for e in kube.events if e[0] == "Warning"] == [("Warning", "ApiRefused", said)]  # once, not per try
+    assert wakes.delays == [2.0, 4.0, 8.0]  # retry_seconds, doubling
+
+    kube.refuse = None  # someone fixed it (a quota, a policy)
+    await run(c, m, world)
+    st = status_written(kube)
+    assert ("Service", NS, NAME) in kube.objects and condition(st, "Degraded")["reason"] != "ApiRefused"
+    assert c.refusals == {}
+
+
+async def test_a_refused_build_job_says_so_on_engine_ready_and_later_steps_keep_their_status():
+    message = 'jobs.batch "x" is forbidden: exceeded quota: jobs, requested: count/jobs.batch=1'
+    kube, world = FakeKube(refuse=("POST", "Job", 403, message)), World()
+    previous = {"replicas": 2, "readyReplicas": 2, "selector": "kiln.dev/model=resnet", "engineKey": "old"}
+    m = model(status=previous)
+    c = ctx(kube)
+    c.wake = Wakes()
+    await run(c, m, world)
+    st = status_written(kube)
+    engine = engine_of(m)
+    assert (condition(st, "EngineReady")["status"], condition(st, "EngineReady")["reason"]) == ("False", "ApiRefused")
+    assert f"refused to create Job {NS}/{engine.job_name} (403 Forbidden): {message}" in condition(st, "EngineReady")["message"]
+    assert condition(st, "Degraded")["reason"] == "ApiRefused" and st["phase"] == "Degraded"
+    assert {k: st[k] for k in previous} == previous  # steps that did not run keep what they own
+    assert [e[:2] for e in kube.events] == [("Warning", "ApiRefused")]
+
+
+async def test_an_error_that_is_no_refusal_still_raises():
+    kube, world = FakeKube(fail=("POST", "Job")), World()
+    with pytest.raises(ApiError):
+        await reconcile.reconcile(ctx(kube), model(), world.views())
 
 
 async def ready_world(**spec):

@@ -118,7 +118,7 @@ def closed_port():
 def test_failures_exit_with_their_code_and_reason(tmp_path, model, case, code, reason, text):
     req = request("pvc://models/mlp/model.onnx")
     if case == "unreachable":
-        req["model"]["uri"] = f"http://127.0.0.1:{closed_port()}/model.onnx"
+        req["model"]["uri"] = f"https://127.0.0.1:{closed_port()}/model.onnx"
     elif case == "digest":
         req["model"]["sha256"] = "f" * 64
     elif case == "invalid":

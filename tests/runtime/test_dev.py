@@ -188,6 +188,10 @@ def bad_manifest(tmp: Path, case: str) -> tuple[Path, str]:
     elif case == "no name":
         del doc["metadata"]["name"]
         message = "metadata.name: Required value"
+    elif case in ("dotted name", "64-character name"):  # names a cluster's Service could not carry
+        doc["metadata"]["name"] = "scorer.v1" if case == "dotted name" else "s" * 64
+        message = ("<nil>: Invalid value: metadata.name must be a DNS-1035 label" if case == "dotted name" else
+                   "<nil>: Invalid value: metadata.name must be at most 56 characters")
     else:  # a wrongly typed field: "engine: [1]", "runtime: x", "autoscaling: 3"
         field, value = {"engine list": ("engine", [1]), "runtime string": ("runtime", "x"),
                         "autoscaling number": ("autoscaling", 3)}[case]
@@ -199,7 +203,8 @@ def bad_manifest(tmp: Path, case: str) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("case", ["alias bomb", "duplicate key", "fifo", "over 1 MiB", "wrong apiVersion",
-                                  "uppercase name", "no name", "engine list", "runtime string",
+                                  "uppercase name", "no name", "dotted name", "64-character name",
+                                  "engine list", "runtime string",
                                   "autoscaling number"])
 def test_kiln_dev_refuses_a_bad_manifest_with_exit_2_before_building(tmp_path, case):
     path, first = bad_manifest(tmp_path, case)

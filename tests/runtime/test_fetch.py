@@ -58,14 +58,22 @@ def test_http_digest_mismatch(server, tmp_path):
     assert DIGEST in str(e.value) and "0" * 64 in str(e.value) and e.value.exit_code == 4
 
 
+def test_http_without_a_pinned_digest_is_refused_before_any_download(server, tmp_path):
+    # Plain HTTP can be changed on the way: the digest is its integrity (the CRD says the same).
+    with pytest.raises(errors.BadRequest) as e:
+        fetch.fetch_model(f"{server}/model.onnx", tmp_path)
+    assert "needs model.sha256" in str(e.value) and e.value.exit_code == 2
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_http_errors_are_source_unreachable(server, tmp_path):
     with pytest.raises(errors.SourceUnreachable, match="HTTP 404"):
-        fetch.fetch_model(f"{server}/missing.onnx", tmp_path)
+        fetch.fetch_model(f"{server}/missing.onnx", tmp_path, sha256=DIGEST)
     with pytest.raises(errors.SourceUnreachable, match="cannot connect") as e:
-        fetch.fetch_model(f"http://127.0.0.1:{closed_port()}/m.onnx", tmp_path)
+        fetch.fetch_model(f"http://127.0.0.1:{closed_port()}/m.onnx", tmp_path, sha256=DIGEST)
     assert e.value.exit_code == 3
     with pytest.raises(errors.SourceUnreachable, match="exceeds the 1000 byte limit"):
-        fetch.fetch_model(f"{server}/model.onnx", tmp_path, max_bytes=1000)
+        fetch.fetch_model(f"{server}/model.onnx", tmp_path, sha256=DIGEST, max_bytes=1000)
 
 
 def test_http_timeout(tmp_path):
@@ -75,7 +83,7 @@ def test_http_timeout(tmp_path):
         listener.listen(1)
         port = listener.getsockname()[1]
         with pytest.raises(errors.SourceUnreachable, match="0.3"):
-            fetch.fetch_model(f"http://127.0.0.1:{port}/m.onnx", tmp_path, timeout=0.3)
+            fetch.fetch_model(f"http://127.0.0.1:{port}/m.onnx", tmp_path, sha256=DIGEST, timeout=0.3)
 
 
 def test_local_file_pvc_and_plain_path(tmp_path):
