@@ -105,11 +105,17 @@ def decide(policy: Policy, current: int, ready: int, signals: Mapping[str, sig.S
     if signal is None:
         return Decision(current, None)
     delivered_since = last_change is None or signal.seen > last_change
-    since_change = math.inf if last_change is None else (now - last_change).total_seconds()
-    seen = "" if signal.value is None else f"utilization {signal.value:.2f}, target {policy.target:.2f}"
     goal = _goal(policy, current, signal, state, delivered_since, up=name == sig.HIGH)
     if goal is None:
         return Decision(current, None)  # nothing new since the last change, and nothing more asked
+    since_change = math.inf if last_change is None else (now - last_change).total_seconds()
+    return _toward(policy, current, ready, name, signal, goal, since_change, now)
+
+
+def _toward(policy: Policy, current: int, ready: int, name: str, signal: sig.Signal, goal: int,
+            since_change: float, now: datetime.datetime) -> Decision:
+    """A step toward `goal` for the active alert `name`, or the hold that keeps it waiting."""
+    seen = "" if signal.value is None else f"utilization {signal.value:.2f}, target {policy.target:.2f}"
     if name == sig.HIGH:
         if current >= policy.max_replicas:
             return Decision(current, "AtMaxReplicas", name, _says(seen, f"at maxReplicas {policy.max_replicas}"),
