@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+import snippets
 from kiln.operator import builders
 from localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
 from localcluster.client import Api, dump, pods, ready, wait_for
@@ -30,6 +31,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml")) + [REPO / "examples" / "de
 INVALID = sorted((REPO / "tests" / "api" / "invalid").glob("*.yaml"))
 OPERATOR_SA = "kiln"
 KIM = "/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels"
+CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev"
 
 
 def expected_messages(path: Path) -> list[str]:
@@ -646,7 +648,19 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
 
 # ------------------------------------------------------------------------ upgrade and uninstall
 
-def test_helm_upgrade_rolls_the_operator_and_uninstall_keeps_the_crd(cluster, api, kubectl, transcript):
+def test_a_model_left_with_the_finalizer_of_an_earlier_version_loses_it(api, kubectl, namespace):
+    """Earlier versions put kopf's finalizer on every model (for a kopf timer); this one needs
+    none and removes it, so that a model stays deletable once the operator is uninstalled."""
+    model = iris(namespace, "1", "0" * 64)
+    model["metadata"]["finalizers"] = ["kiln.dev/finalizer"]
+    kubectl("apply", "-f", "-", input=json.dumps(model))
+    wait_for(lambda: not api.model(namespace, "iris")["metadata"].get("finalizers"), 60,
+             "the operator removing kiln.dev/finalizer")
+    wait_for(lambda: api.status(namespace, "iris").get("phase"), 60, "a phase: the operator handles it")
+    assert not api.model(namespace, "iris")["metadata"].get("finalizers")
+
+
+def test_helm_upgrade_rolls_the_operator(cluster, api):
     old = wait_for(lambda: operator_pod(api), 60, "the operator Ready")
     cluster.helm("upgrade", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,
                  "--reuse-values", "--set", "operator.defaultTargets={sm80}", "--wait", "--timeout", "3m")
@@ -654,13 +668,36 @@ def test_helm_upgrade_rolls_the_operator_and_uninstall_keeps_the_crd(cluster, ap
         operator_pod(api)), 120, "the upgraded operator pod")
     assert "--default-targets=sm80" in new["spec"]["containers"][0]["args"]
 
+
+def test_uninstall_keeps_models_serving_and_the_documented_commands_remove_the_rest(
+        cluster, api, kubectl, namespace, transcript, tmp_path):
+    """docs/operations.md's Uninstall, as pasted: `helm uninstall` keeps the CRD, the models
+    and their serving pods, the cache claim and the engine index; then its removal commands,
+    with no operator left, delete all of it within a bound (a finalizer would hold them)."""
+    models = demo_models(cluster, api, namespace)
+    kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "1", sha256(model_version(models, "1")))))
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180, "phase Ready")
+    index = f"/api/v1/namespaces/{namespace}/configmaps/{builders.ENGINE_INDEX}"
+    assert api.get(index)
+    uninstall, removal = snippets.blocks("docs/operations.md", "sh", "Uninstall")
+
     transcript.section("helm uninstall")
-    out = cluster.helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "2m")
-    transcript.add(f"helm uninstall {RELEASE} --namespace {RELEASE_NAMESPACE}", out.stdout + out.stderr)
+    out = cluster.shell(uninstall, tmp_path)
+    assert out.returncode == 0, out.stdout
+    transcript.add(uninstall.strip(), out.stdout)
     wait_for(lambda: not api.items(f"/apis/apps/v1/namespaces/{RELEASE_NAMESPACE}/deployments"), 60,
              "the operator Deployment gone")
-    # Helm never deletes a chart's crds/ (documented in docs/operations.md): models survive.
-    assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev")
-    # The engine cache claim is kept (helm.sh/resource-policy: keep).
-    assert api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
     assert not api.get(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{RELEASE}-cluster")
+    assert api.get(CRD) and api.get(index)
+    assert api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
+    [pod] = [p for p in runtime_pods(api, namespace) if ready(p)]
+    assert infer(pod, [[5.1, 3.5, 1.4, 0.2]])["outputs"], "the model keeps serving without its operator"
+
+    removed = cluster.shell(removal, tmp_path, timeout=180)
+    assert removed.returncode == 0, removed.stdout
+    assert not api.model(namespace, "iris") and not api.get(CRD) and not api.get(index)
+    assert not api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
+    # The foreground delete returned only once the garbage collector had removed all it owned.
+    assert not api.items(f"/apis/apps/v1/namespaces/{namespace}/deployments") and not jobs(api, namespace)
+    assert not api.items(f"/api/v1/namespaces/{namespace}/services")
+    assert not pods(api, namespace, f"{builders.LABEL_MODEL}=iris")
