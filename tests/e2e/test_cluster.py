@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -658,6 +659,30 @@ def test_a_model_left_with_the_finalizer_of_an_earlier_version_loses_it(api, kub
              "the operator removing kiln.dev/finalizer")
     wait_for(lambda: api.status(namespace, "iris").get("phase"), 60, "a phase: the operator handles it")
     assert not api.model(namespace, "iris")["metadata"].get("finalizers")
+
+
+def test_the_crd_upgrade_command_the_chart_prints_applies_a_changed_crd(cluster, api, tmp_path):
+    """The command NOTES.txt prints for a new CRD, run as printed from a checkout whose CRD
+    changed, over the CRD `helm install` created: the change is applied (plain server-side
+    apply conflicts with helm's ownership of .spec.versions). docs/operations.md gives it too."""
+    notes = cluster.helm("get", "notes", RELEASE, "--namespace", RELEASE_NAMESPACE).stdout
+    [command] = [line.strip() for line in notes.splitlines() if "charts/kiln/crds/" in line]
+    crds = tmp_path / "charts" / "kiln" / "crds"
+    shutil.copytree(REPO / "charts" / "kiln" / "crds", crds)
+    path = crds / "inferencemodels.kiln.dev.yaml"
+    crd = yaml.safe_load(path.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema["description"] = changed = f"{schema.get('description', '')} (as a newer release says it)".strip()
+    path.write_text(yaml.safe_dump(crd))
+
+    applied = cluster.shell(command, tmp_path)
+    assert applied.returncode == 0, applied.stdout
+    assert api.get(CRD)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] == changed
+    restored = cluster.shell(command, REPO)  # this checkout's CRD again, the same way
+    assert restored.returncode == 0, restored.stdout
+    assert api.get(CRD)["spec"]["versions"][0]["schema"]["openAPIV3Schema"].get("description") != changed
+    [documented] = snippets.blocks("docs/operations.md", "sh", "The CRD: install and upgrade policy")
+    assert command in documented.splitlines()
 
 
 def test_helm_upgrade_rolls_the_operator(cluster, api):
