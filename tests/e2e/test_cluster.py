@@ -274,6 +274,26 @@ def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, n
              and not jobs(api, namespace), 120, "the garbage collector to remove the model's children")
 
 
+def test_the_documented_copy_puts_ones_own_model_on_the_local_clusters_models_claim(cluster, api, tmp_path):
+    """docs/e2e.md's commands, as pasted, against the claim `models` in `default` (make cluster
+    makes it): the file lands in the directory the harness mounts for that claim."""
+    path = "/api/v1/namespaces/default/persistentvolumeclaims/models"
+    made = api.get(path) is None
+    if made:
+        claim(api, "default", "models")
+    try:
+        directory = claim_directory(cluster, api, "default", "models")
+        shutil.copy(DEMO_MODEL, tmp_path / "my-model.onnx")
+        [commands] = snippets.blocks("docs/e2e.md", "sh", "Your own model on the `models` claim")
+        copied = cluster.shell(commands, tmp_path)
+        assert copied.returncode == 0, copied.stdout
+        assert (directory / "mine" / "model.onnx").read_bytes() == DEMO_MODEL.read_bytes()
+        assert sha256(DEMO_MODEL) in copied.stdout
+    finally:
+        if made:
+            api.request("DELETE", path)
+
+
 # ------------------------------------------------------------------------ autoscaling from real alerts
 
 # The chart's rules with windows short enough for a test (the shipped ones are minutes).
@@ -382,7 +402,9 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
 
     op = wait_for(lambda: operator_pod(api), 60, "the operator pod")
     port = INSTALL_VALUES["autoscaling"]["receiver"]["port"]
-    receiver = f"http://{op['status']['podIP']}:{port}/alerts"
+    [documented] = snippets.blocks("docs/e2e.md", "yaml", "Alertmanager on the local cluster")
+    receiver = yaml.safe_load(documented)[0]["url"]  # the operator's listener, not a Service name
+    assert receiver == f"http://127.0.0.1:{port}/alerts"
     secret = api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/secrets/{RELEASE}-alert-token")
     token_file = tmp_path / "token"
     token_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
