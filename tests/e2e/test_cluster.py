@@ -118,6 +118,24 @@ def test_every_example_is_accepted_and_listed_with_the_printer_columns(kubectl, 
     assert names <= {line.split()[0] for line in table.splitlines()[1:]}
 
 
+def test_the_manifests_in_the_docs_pass_the_real_api_servers_dry_run(kubectl, namespace):
+    """Every whole manifest in the docs and the README, in the test's namespace, through
+    `kubectl apply --dry-run=server`: the CRDs' schemas and rules, admission, all but storage."""
+    checked = []
+    for doc in snippets.DOCS:
+        for text in snippets.blocks(doc.relative_to(REPO), "yaml"):
+            manifest = yaml.safe_load(text)
+            if not isinstance(manifest, dict) or "kind" not in manifest:
+                continue  # a fragment: spec fields, chart values, a scrape config
+            if manifest["apiVersion"].startswith("keda.sh/"):
+                continue  # KEDA's CRD is not installed here
+            manifest["metadata"]["namespace"] = namespace
+            result = kubectl("apply", "--dry-run=server", "-f", "-", check=False, input=json.dumps(manifest))
+            assert result.returncode == 0, f"{doc.name}: {manifest['kind']}: {result.stderr}"
+            checked.append(manifest["kind"])
+    assert {"InferenceModel", "HorizontalPodAutoscaler", "HTTPRoute"} <= set(checked), checked
+
+
 # ------------------------------------------------------------------------ a model, end to end
 
 def sha256(path: Path) -> str:
