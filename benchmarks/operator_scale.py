@@ -147,7 +147,7 @@ def run(quick: bool) -> str:
                 if k == "kiln.dev/v1alpha1/inferencemodels" and ns.startswith(prefix)]
 
     def timer_ticks() -> int:
-        return (tmp / "operator.log").read_text(errors="replace").count("Timer 'resync' succeeded")
+        return (tmp / "operator.log").read_text(errors="replace").count("reconciling on its timer")
 
     def idle(window: float) -> tuple[int, int, dict[str, int], int]:
         last = -1

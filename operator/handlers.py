@@ -1,8 +1,11 @@
 """kopf wiring, and nothing else: every handler calls `reconcile.reconcile()`.
 
-- InferenceModels: create / update / resume, and a resync timer (a level-triggered safety
-  net with a long interval; it reads only in-memory indexes, so an idle tick costs no
-  API call unless something drifted).
+- InferenceModels: create / update / resume, and a resync (a level-triggered safety net with
+  a long interval; it reads only in-memory indexes, so an idle tick costs no API call
+  unless something drifted). The resync is a `Waker` timer, not a kopf timer: kopf puts a
+  finalizer on every object with a timer, and a finalizer nobody removes once the operator
+  is uninstalled keeps `kubectl delete` waiting forever. Nothing here needs one: what a
+  model owns goes by ownerReferences, and its in-memory state goes on its DELETED event.
 - What Kiln owns is watched through kopf indexes (in-memory views, filtered server-side
   with label/field selectors set in main.py): build Jobs and their pods, runtime
   Deployments and Services, the engine-index ConfigMaps. `reconcile()` reads these
@@ -15,8 +18,7 @@
 - A change of the scaling-signal annotation (written by the alert receiver), or a rollout
   action (`kiln rollout promote|abort`), reconciles the model at once; a step that must look again later (a cooldown's end) gets a `Waker` timer.
 
-Handlers are registered on an explicit registry by `register()`, so the timer interval
-comes from configuration.
+Handlers are registered on an explicit registry by `register()`.
 """
 
 from __future__ import annotations
@@ -145,8 +147,10 @@ def views(kw: Mapping[str, Any]) -> reconcile.Views:
 
 class Waker:
     """Reconciles a model again after a delay, through the same indexes the handlers got:
-    for what ends with no watch event (a cooldown). One timer per model, the earliest wins.
-    Timers are only set by reconciles, which kopf runs only on the leading operator."""
+    for what ends with no watch event (a cooldown), and the resync. One timer per model, the
+    earliest wins. Timers are set by reconciles, which kopf starts only on the leading
+    operator; a reconcile a timer started sets the next one (docs/architecture.md: a replica
+    that yields the lead keeps its timers)."""
 
     def __init__(self, memo: Any) -> None:
         self.memo = memo
@@ -166,6 +170,7 @@ class Waker:
     async def _fire(self, namespace: str, name: str, uid: str) -> None:
         self.timers.pop(uid, None)
         if self.kw is not None:
+            logger.info("%s/%s: reconciling on its timer", namespace, name)
             await _reconcile_models([(namespace, name)], self.memo, self.kw, logger)
 
     def cancel(self, uid: str) -> None:
@@ -184,26 +189,27 @@ def _seen(memo: Any, kw: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------------ handlers
 
-async def on_model(body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
-    """create / update / resume / a new scaling signal: reconcile; kopf retries on
-    TemporaryError, stops on PermanentError."""
+async def _reconcile(model: Mapping[str, Any], memo: Any, kw: Mapping[str, Any]) -> None:
+    """Every entry point's reconcile. The resync is armed first, so a pass that fails is
+    also tried again by then at the latest."""
     _seen(memo, kw)
-    await reconcile.reconcile(memo.ctx, dict(body), views(kw))
+    meta = model["metadata"]
+    memo.waker(meta["namespace"], meta["name"], meta["uid"], memo.ctx.config.resync_seconds)
+    await reconcile.reconcile(memo.ctx, dict(model), views(kw))
+
+
+async def on_model(body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
+    """create / update / resume: reconcile; kopf retries on TemporaryError, stops on PermanentError."""
+    await _reconcile(body, memo, kw)
 
 
 async def _reconcile_quietly(body: Mapping[str, Any], memo: Any, kw: Mapping[str, Any], log: logging.Logger,
                              why: str) -> None:
     """Reconcile from a handler kopf does not retry: failures are logged, the next event or tick retries."""
-    _seen(memo, kw)
     try:
-        await reconcile.reconcile(memo.ctx, dict(body), views(kw))
+        await _reconcile(body, memo, kw)
     except (kopf.TemporaryError, kopf.PermanentError) as e:
         log.debug(f"reconcile after {why}: {e}")
-
-
-async def on_resync(body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
-    """The timer: the same reconcile; failures are logged and left to the next tick."""
-    await _reconcile_quietly(body, memo, kw, logger, "the resync timer")
 
 
 async def on_scaling_signal(uid: str, body: Mapping[str, Any], memo: Any, logger: logging.Logger, **kw: Any) -> None:
@@ -221,7 +227,12 @@ async def on_rollout_action(body: Mapping[str, Any], memo: Any, logger: logging.
     await _reconcile_quietly(body, memo, kw, logger, "a rollout action")
 
 
-async def on_model_deleted(namespace: str, name: str, uid: str, memo: Any, **_: Any) -> None:
+def _gone(type: str, **_: Any) -> bool:  # kopf names the watch event's type `type`
+    return type == "DELETED"
+
+
+async def on_model_gone(namespace: str, name: str, uid: str, memo: Any, **_: Any) -> None:
+    """The model is gone from the API (a watch event, no finalizer): forget it."""
     memo.ctx.forget(uid)  # the owned objects go by ownerReferences (the garbage collector)
     memo.ctx.metrics.forget(namespace, name)
     if getattr(memo, "waker", None) is not None:
@@ -230,15 +241,13 @@ async def on_model_deleted(namespace: str, name: str, uid: str, memo: Any, **_: 
 
 async def _reconcile_models(names: list[tuple[str, str]], memo: Any, kw: Mapping[str, Any],
                             log: logging.Logger) -> None:
-    _seen(memo, kw)
     models = kw["kiln_models"]
-    v = views(kw)
     for ns, name in names:
         model = _one(models, (ns, name))
         if model is None:
-            continue
+            continue  # gone: no reconcile, so no timer either
         try:
-            await reconcile.reconcile(memo.ctx, model, v)
+            await _reconcile(model, memo, kw)
         except (kopf.TemporaryError, kopf.PermanentError) as e:
             log.debug(f"reconcile of {ns}/{name} after a watch event: {e}")
 
@@ -272,7 +281,7 @@ async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any,
         await _reconcile_models([(namespace, model)], memo, kw, logger)
 
 
-def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.OperatorRegistry:
+def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     kopf.index(*MODELS, registry=registry)(kiln_models)
     kopf.index(*MODELS, registry=registry)(kiln_models_by_job)
     kopf.index(*JOBS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs)
@@ -289,9 +298,7 @@ def register(registry: kopf.OperatorRegistry, resync_seconds: float) -> kopf.Ope
                   registry=registry)(on_scaling_signal)
     kopf.on.event(*MODELS, id="rollout-action", annotations={rollout.ANN_ACTION: kopf.PRESENT},
                   registry=registry)(on_rollout_action)
-    kopf.on.delete(*MODELS, id="forget", optional=True, registry=registry)(on_model_deleted)
-    kopf.timer(*MODELS, id="resync", interval=resync_seconds, initial_delay=resync_seconds,
-               registry=registry)(on_resync)
+    kopf.on.event(*MODELS, id="forget", when=_gone, registry=registry)(on_model_gone)
 
     kopf.on.event(*JOBS, id="job", labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
     kopf.on.event(*PODS, id="build-pod", labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)

@@ -99,8 +99,9 @@ def settings(verbose: bool = False) -> Any:
     s.posting.level = logging.WARNING
     # No status.kopf (the CRD's status schema would prune it): progress and the diff-base
     # are annotations, kiln.dev/reconcile and kiln.dev/last-handled-configuration.
-    # The resync timer makes kopf put a finalizer on each model (to stop the timer before the
-    # object goes); name it after Kiln. Owned objects go by ownerReferences, not by handlers.
+    # No handler needs a finalizer (no kopf timer, no deletion handler: handlers.py says why),
+    # so kopf adds none; naming the one earlier versions put on every model makes kopf remove
+    # it from each model it sees, so those can be deleted once the operator is uninstalled.
     s.persistence.finalizer = "kiln.dev/finalizer"
     s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
     # The alert receiver's signal record and a rollout action are no changes to handle (event
@@ -148,7 +149,7 @@ async def serve(config: OperatorConfig, *, namespaces: list[str] | None = None, 
         # Its own client counts (kube.calls is this loop's), the same connection pool.
         receiver = alerts.Server(alerts.Receiver(kubemod.Kube(kube.client, kube.component), alert_token or "",
                                                  ctx.metrics, ctx.clock, watched), alert_port).start()
-    registry = handlers.register(kopf.OperatorRegistry(), config.resync_seconds)
+    registry = handlers.register(kopf.OperatorRegistry())
     # An explicit registry has no implicit login: kopf gets the credentials the operator's
     # client uses (in-cluster service account, else the kubeconfig).
     @kopf.on.login(registry=registry)

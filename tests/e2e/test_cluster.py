@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+import snippets
 from kiln.operator import builders
 from localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
 from localcluster.client import Api, dump, pods, ready, wait_for
@@ -30,6 +32,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml")) + [REPO / "examples" / "de
 INVALID = sorted((REPO / "tests" / "api" / "invalid").glob("*.yaml"))
 OPERATOR_SA = "kiln"
 KIM = "/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels"
+CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev"
 
 
 def expected_messages(path: Path) -> list[str]:
@@ -113,6 +116,24 @@ def test_every_example_is_accepted_and_listed_with_the_printer_columns(kubectl, 
     header = table.splitlines()[0].split()
     assert header[:6] == ["NAME", "PHASE", "VERSION", "ENGINE", "READY", "DESIRED"], header
     assert names <= {line.split()[0] for line in table.splitlines()[1:]}
+
+
+def test_the_manifests_in_the_docs_pass_the_real_api_servers_dry_run(kubectl, namespace):
+    """Every whole manifest in the docs and the README, in the test's namespace, through
+    `kubectl apply --dry-run=server`: the CRDs' schemas and rules, admission, all but storage."""
+    checked = []
+    for doc in snippets.DOCS:
+        for text in snippets.blocks(doc.relative_to(REPO), "yaml"):
+            manifest = yaml.safe_load(text)
+            if not isinstance(manifest, dict) or "kind" not in manifest:
+                continue  # a fragment: spec fields, chart values, a scrape config
+            if manifest["apiVersion"].startswith("keda.sh/"):
+                continue  # KEDA's CRD is not installed here
+            manifest["metadata"]["namespace"] = namespace
+            result = kubectl("apply", "--dry-run=server", "-f", "-", check=False, input=json.dumps(manifest))
+            assert result.returncode == 0, f"{doc.name}: {manifest['kind']}: {result.stderr}"
+            checked.append(manifest["kind"])
+    assert {"InferenceModel", "HorizontalPodAutoscaler", "HTTPRoute"} <= set(checked), checked
 
 
 # ------------------------------------------------------------------------ a model, end to end
@@ -308,6 +329,26 @@ def test_a_build_job_the_api_server_refuses_is_a_condition_and_a_warning_until_t
     assert len([e for e in api.items(events) if e["reason"] == "ApiRefused"]) == 1  # told once
 
 
+def test_the_documented_copy_puts_ones_own_model_on_the_local_clusters_models_claim(cluster, api, tmp_path):
+    """docs/e2e.md's commands, as pasted, against the claim `models` in `default` (make cluster
+    makes it): the file lands in the directory the harness mounts for that claim."""
+    path = "/api/v1/namespaces/default/persistentvolumeclaims/models"
+    made = api.get(path) is None
+    if made:
+        claim(api, "default", "models")
+    try:
+        directory = claim_directory(cluster, api, "default", "models")
+        shutil.copy(DEMO_MODEL, tmp_path / "my-model.onnx")
+        [commands] = snippets.blocks("docs/e2e.md", "sh", "Your own model on the `models` claim")
+        copied = cluster.shell(commands, tmp_path)
+        assert copied.returncode == 0, copied.stdout
+        assert (directory / "mine" / "model.onnx").read_bytes() == DEMO_MODEL.read_bytes()
+        assert sha256(DEMO_MODEL) in copied.stdout
+    finally:
+        if made:
+            api.request("DELETE", path)
+
+
 # ------------------------------------------------------------------------ autoscaling from real alerts
 
 # The chart's rules with windows short enough for a test (the shipped ones are minutes).
@@ -416,7 +457,9 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
 
     op = wait_for(lambda: operator_pod(api), 60, "the operator pod")
     port = INSTALL_VALUES["autoscaling"]["receiver"]["port"]
-    receiver = f"http://{op['status']['podIP']}:{port}/alerts"
+    [documented] = snippets.blocks("docs/e2e.md", "yaml", "Alertmanager on the local cluster")
+    receiver = yaml.safe_load(documented)[0]["url"]  # the operator's listener, not a Service name
+    assert receiver == f"http://127.0.0.1:{port}/alerts"
     secret = api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/secrets/{RELEASE}-alert-token")
     token_file = tmp_path / "token"
     token_file.write_text(base64.b64decode(secret["data"]["token"]).decode())
@@ -696,7 +739,43 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
 
 # ------------------------------------------------------------------------ upgrade and uninstall
 
-def test_helm_upgrade_rolls_the_operator_and_uninstall_keeps_the_crd(cluster, api, kubectl, transcript):
+def test_a_model_left_with_the_finalizer_of_an_earlier_version_loses_it(api, kubectl, namespace):
+    """Earlier versions put kopf's finalizer on every model (for a kopf timer); this one needs
+    none and removes it, so that a model stays deletable once the operator is uninstalled."""
+    model = iris(namespace, "1", "0" * 64)
+    model["metadata"]["finalizers"] = ["kiln.dev/finalizer"]
+    kubectl("apply", "-f", "-", input=json.dumps(model))
+    wait_for(lambda: not api.model(namespace, "iris")["metadata"].get("finalizers"), 60,
+             "the operator removing kiln.dev/finalizer")
+    wait_for(lambda: api.status(namespace, "iris").get("phase"), 60, "a phase: the operator handles it")
+    assert not api.model(namespace, "iris")["metadata"].get("finalizers")
+
+
+def test_the_crd_upgrade_command_the_chart_prints_applies_a_changed_crd(cluster, api, tmp_path):
+    """The command NOTES.txt prints for a new CRD, run as printed from a checkout whose CRD
+    changed, over the CRD `helm install` created: the change is applied (plain server-side
+    apply conflicts with helm's ownership of .spec.versions). docs/operations.md gives it too."""
+    notes = cluster.helm("get", "notes", RELEASE, "--namespace", RELEASE_NAMESPACE).stdout
+    [command] = [line.strip() for line in notes.splitlines() if "charts/kiln/crds/" in line]
+    crds = tmp_path / "charts" / "kiln" / "crds"
+    shutil.copytree(REPO / "charts" / "kiln" / "crds", crds)
+    path = crds / "inferencemodels.kiln.dev.yaml"
+    crd = yaml.safe_load(path.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema["description"] = changed = f"{schema.get('description', '')} (as a newer release says it)".strip()
+    path.write_text(yaml.safe_dump(crd))
+
+    applied = cluster.shell(command, tmp_path)
+    assert applied.returncode == 0, applied.stdout
+    assert api.get(CRD)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"] == changed
+    restored = cluster.shell(command, REPO)  # this checkout's CRD again, the same way
+    assert restored.returncode == 0, restored.stdout
+    assert api.get(CRD)["spec"]["versions"][0]["schema"]["openAPIV3Schema"].get("description") != changed
+    [documented] = snippets.blocks("docs/operations.md", "sh", "The CRD: install and upgrade policy")
+    assert command in documented.splitlines()
+
+
+def test_helm_upgrade_rolls_the_operator(cluster, api):
     old = wait_for(lambda: operator_pod(api), 60, "the operator Ready")
     cluster.helm("upgrade", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,
                  "--reuse-values", "--set", "operator.defaultTargets={sm80}", "--wait", "--timeout", "3m")
@@ -704,13 +783,36 @@ def test_helm_upgrade_rolls_the_operator_and_uninstall_keeps_the_crd(cluster, ap
         operator_pod(api)), 120, "the upgraded operator pod")
     assert "--default-targets=sm80" in new["spec"]["containers"][0]["args"]
 
+
+def test_uninstall_keeps_models_serving_and_the_documented_commands_remove_the_rest(
+        cluster, api, kubectl, namespace, transcript, tmp_path):
+    """docs/operations.md's Uninstall, as pasted: `helm uninstall` keeps the CRD, the models
+    and their serving pods, the cache claim and the engine index; then its removal commands,
+    with no operator left, delete all of it within a bound (a finalizer would hold them)."""
+    models = demo_models(cluster, api, namespace)
+    kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "1", sha256(model_version(models, "1")))))
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180, "phase Ready")
+    index = f"/api/v1/namespaces/{namespace}/configmaps/{builders.ENGINE_INDEX}"
+    assert api.get(index)
+    uninstall, removal = snippets.blocks("docs/operations.md", "sh", "Uninstall")
+
     transcript.section("helm uninstall")
-    out = cluster.helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "2m")
-    transcript.add(f"helm uninstall {RELEASE} --namespace {RELEASE_NAMESPACE}", out.stdout + out.stderr)
+    out = cluster.shell(uninstall, tmp_path)
+    assert out.returncode == 0, out.stdout
+    transcript.add(uninstall.strip(), out.stdout)
     wait_for(lambda: not api.items(f"/apis/apps/v1/namespaces/{RELEASE_NAMESPACE}/deployments"), 60,
              "the operator Deployment gone")
-    # Helm never deletes a chart's crds/ (documented in docs/operations.md): models survive.
-    assert api.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferencemodels.kiln.dev")
-    # The engine cache claim is kept (helm.sh/resource-policy: keep).
-    assert api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
     assert not api.get(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{RELEASE}-cluster")
+    assert api.get(CRD) and api.get(index)
+    assert api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
+    [pod] = [p for p in runtime_pods(api, namespace) if ready(p)]
+    assert infer(pod, [[5.1, 3.5, 1.4, 0.2]])["outputs"], "the model keeps serving without its operator"
+
+    removed = cluster.shell(removal, tmp_path, timeout=180)
+    assert removed.returncode == 0, removed.stdout
+    assert not api.model(namespace, "iris") and not api.get(CRD) and not api.get(index)
+    assert not api.get(f"/api/v1/namespaces/{RELEASE_NAMESPACE}/persistentvolumeclaims/kiln-engine-cache")
+    # The foreground delete returned only once the garbage collector had removed all it owned.
+    assert not api.items(f"/apis/apps/v1/namespaces/{namespace}/deployments") and not jobs(api, namespace)
+    assert not api.items(f"/api/v1/namespaces/{namespace}/services")
+    assert not pods(api, namespace, f"{builders.LABEL_MODEL}=iris")

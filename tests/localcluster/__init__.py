@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -85,20 +86,38 @@ class LocalCluster:
                 input: str | None = None) -> subprocess.CompletedProcess:
         return self.control_plane.kubectl(*args, kubeconfig=kubeconfig, check=check, input=input)
 
-    def helm(self, *args: str, values: dict[str, Any] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    def _env(self) -> dict[str, str]:
         home = self.root / "helm"
-        env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
-               "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(self.kubeconfig)}
+        return {**os.environ, "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
+                "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(self.kubeconfig)}
+
+    def helm(self, *args: str, values: dict[str, Any] | None = None, check: bool = True) -> subprocess.CompletedProcess:
         extra: list[str] = []
         if values:
             path = self.root / "helm-values.yaml"
             path.write_text(yaml.safe_dump(values))
             extra = ["--values", str(path)]
-        result = subprocess.run([str(HELM), *args, *extra], env=env, text=True, stdout=subprocess.PIPE,
+        result = subprocess.run([str(HELM), *args, *extra], env=self._env(), text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, timeout=300)
         if check and result.returncode != 0:
             raise RuntimeError(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
         return result
+
+    def shell(self, script: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+        """`script` as a user pastes it into bash in `cwd`: this cluster's kubectl and helm first on
+        PATH, KUBECONFIG exported, stopping at the first command that fails (returncode; stdout
+        holds stderr too). Still running after `timeout`: all of it is killed, TimeoutExpired."""
+        env = self._env()
+        env["PATH"] = f"{self.control_plane.bins['kubectl'].parent}:{HELM.parent}:{env.get('PATH', '')}"
+        with subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as proc:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # a waiting kubectl too, not only bash
+                proc.communicate()
+                raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
         """A kubeconfig holding a TokenRequest token of a ServiceAccount: exactly its RBAC."""

@@ -3,8 +3,8 @@
 The scrape configs mimic what the chart's PodMonitor (runtime pods) and ServiceMonitor (the
 operator) make prometheus-operator generate, so a rule that works here works in a cluster:
 runtime series get `namespace` and `pod` from the target, the operator's series keep their
-own `namespace` (honor_labels). The Alertmanager route and receiver have the shape the
-contract tells users to paste (docs, issue 9), with test-short timings.
+own `namespace` (honor_labels). The Alertmanager config is docs/operations.md's
+alertmanager.yml (a test compares them), with test-short timings unless told otherwise.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Operator restarts against the emulated API server: nothing is built twice, nothing rewritten.
+"""Operator restarts against the emulated API server: nothing is built twice, nothing rewritten;
+and the resync timer, which needs an operator of its own settings.
 
 The module has its own emulator and starts and stops operators itself (no shared one).
 The test plays the Job controller as in test_operator_api.py: it creates the build pod
@@ -130,3 +131,27 @@ def test_the_same_alert_at_two_operators_is_one_step_and_a_restart_keeps_the_coo
         assert cluster.emu.writes() == writes, cluster.emu.counts
     finally:
         fourth.stop()
+
+
+def test_the_resync_needs_no_finalizer_and_ends_with_the_model(api, start_operator, caplog):
+    """The resync is the operator's own timer, not kopf's (which puts a finalizer on every
+    model): a model carries none, is gone at once when deleted, and its timer goes with it."""
+    ns, name = "resync", "tiny"
+
+    def ticks() -> list:
+        return [r for r in caplog.records if r.getMessage() == f"{ns}/{name}: reconciling on its timer"]
+
+    op = start_operator(retry_seconds=0.5, resync_seconds=0.5)
+    try:
+        with caplog.at_level("INFO", logger="kiln.operator.handlers"):
+            api.apply(inference_model(ns, name))
+            api.wait(lambda: len(ticks()) >= 2, 10, "two resync ticks")
+            assert not api.get("InferenceModel", ns, name)["metadata"].get("finalizers")
+            api.delete("InferenceModel", ns, name)
+            assert api.get("InferenceModel", ns, name) is None
+            time.sleep(0.5)  # the operator sees the deletion
+            seen = len(ticks())
+            time.sleep(1.5)
+            assert len(ticks()) == seen, "a timer still fires for a deleted model"
+    finally:
+        op.stop()
