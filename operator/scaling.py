@@ -155,7 +155,10 @@ def _goal(policy: Policy, current: int, signal: sig.Signal, state: Mapping[str, 
         want = math.ceil(current * signal.value / policy.target)
         return max(current + 1, want) if up else min(current - 1, want)
     goal = state.get("goal")
-    return goal if isinstance(goal, int) and (goal > current if up else goal < current) else None
+    if not isinstance(goal, int):
+        return None
+    goal = min(max(goal, policy.min_replicas), policy.max_replicas)  # at a bound, old news asks nothing
+    return goal if (goal > current if up else goal < current) else None
 
 
 def next_state(state: Mapping[str, Any], current: int, d: Decision,

@@ -504,7 +504,8 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
             entry = wait_for(lambda: [h for h in history() if h["reason"] == "UtilizationHigh"], 10, "the decision")[0]
             assert (entry["from"], entry["to"], entry["source"]) == (1, 2, "KilnUtilizationHigh")
             wait_for(lambda: replicas_seen() == 3, 120, "2 -> 3 once the second pod is Ready, with no new delivery")
-            assert [(h["from"], h["to"]) for h in history() if h["reason"] == "UtilizationHigh"] == [(1, 2), (2, 3)]
+            steps = lambda: [(h["from"], h["to"]) for h in history() if h["reason"] == "UtilizationHigh"]  # noqa: E731
+            wait_for(lambda: steps() == [(1, 2), (2, 3)], 10, f"both steps in status.scaling.history: {steps()}")
             wait_for(lambda: replicas_seen() and len([p for p in runtime_pods(api, namespace) if ready(p)]) == 3, 120,
                      "the new pods started by the real Deployment controller, Ready")
             print(f"\nPrometheus start -> replicas patched {decided:.1f} s, -> 3 pods Ready "

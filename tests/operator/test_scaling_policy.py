@@ -100,6 +100,9 @@ def test_a_low_alert_that_keeps_firing_keeps_stepping_down_toward_its_goal():
     state, _ = scaling.next_state({}, 6, d, at(121))
     d = decide(firing(sig.LOW, value=0.1), current=4, state=state, now=121 + 301)
     assert (d.replicas, d.reason) == (2, "UtilizationLow")
+    # At minReplicas, the old evidence asks nothing more: no AtMinReplicas hold for old news.
+    state = {"replicas": 1, "goal": 0, "lastScaleTime": sig.format_time(at(500))}
+    assert decide(firing(sig.LOW, value=0.0), current=1, state=state, now=900) == scaling.Decision(1, None)
 
 
 def test_a_high_alert_without_a_value_steps_by_one_per_cooldown_while_it_fires():
