@@ -272,3 +272,23 @@ async def test_a_gpu_engine_exports_only_its_own_gpu(tmp_path, gpu_node, matmul_
     text = await served_metrics(tmp_path, matmul_onnx, "tensorrt", "sm90")
     assert [line.split("{")[1].split(",")[0] for line in text.splitlines()
             if line.startswith("kiln_gpu_")] == ['gpu="1"'] * 3
+
+
+def test_the_gpu_readings_script_reports_each_case():
+    # hack/gpu_readings.py records the real readings on a GPU machine (docs/runtime.md).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "hack" / "gpu_readings.py"
+    spec = importlib.util.spec_from_file_location("gpu_readings", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = "\n".join(script.report(node(), {"NVIDIA_VISIBLE_DEVICES": GPU1}))
+    assert "(a) CPU engine, backend onnxruntime, NVIDIA_VISIBLE_DEVICES=all:\n  (no kiln_gpu_ series)\n" in text
+    own = text.split(" (this process):\n")[1].split("\n(b)")[0].splitlines()
+    assert [line.split()[0] for line in own] == [
+        'kiln_gpu_utilization_ratio{gpu="1",model="demo",version="1"}',
+        'kiln_gpu_memory_used_bytes{gpu="1",model="demo",version="1"}',
+        'kiln_gpu_memory_total_bytes{gpu="1",model="demo",version="1"}']
+    assert f"(b) GPU engine, backend tensorrt, NVIDIA_VISIBLE_DEVICES={GPU0}:\n  kiln_gpu_utilization_ratio" \
+           '{gpu="0",model="demo",version="1"} 0.95\n' in text
