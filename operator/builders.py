@@ -401,7 +401,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
     }
-    env = sequence_env(runtime)
+    env = sequence_env(runtime) + device_env(engines)
     if env:
         container["env"] = env
     pod_spec: dict[str, Any] = {
@@ -456,6 +456,17 @@ def sequence_env(runtime: Mapping[str, Any]) -> list[dict[str, Any]]:
         env.append({"name": contract.SEQUENCE_STORE_PASSWORD_ENV,
                     "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
     return env
+
+
+def device_env(engines: list[EngineRef]) -> list[dict[str, Any]]:
+    """`NVIDIA_VISIBLE_DEVICES=void` when every engine runs on the CPU. The runtime image
+    (NVIDIA's TensorRT image) says `all`, and under the container toolkit's defaults that
+    hands a pod that asked for no GPU every GPU of its node; `void` gives it no GPU and no
+    driver (`none` would still mount the driver). Nothing for a GPU model: the device plugin
+    sets the variable to what it allocated."""
+    if all(e.architecture == enginekey.CPU_TARGET for e in engines):
+        return [{"name": contract.NVIDIA_VISIBLE_DEVICES_ENV, "value": contract.NO_GPU_DEVICES}]
+    return []
 
 
 def runtime_grpc_port(port: int) -> int:

@@ -319,7 +319,7 @@ class ServedModel:
         self.metrics.model_info.labels(model=self.name, version=self.version,
                                        engine_key=manifest.key, backend=manifest.backend,
                                        target=self.target).set(1)
-        if normalize_target(detected) != CPU_TARGET:  # a GPU node, whichever engine it serves
+        if backend.uses_gpu:  # a CPU engine on a GPU node must not scale on that GPU
             self._register_gpu_metrics()
 
         t = self._clock()

@@ -95,6 +95,7 @@ class LoadedEngine(Protocol):
 class Backend(Protocol):
     name: str  # "tensorrt" | "onnxruntime"
     engine_filename: str  # file name inside a cache entry, e.g. "engine.plan"
+    uses_gpu: bool  # its engines run on a GPU: only then does the pod export GPU series
 
     def version(self) -> str: ...
 

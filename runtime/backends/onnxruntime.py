@@ -72,6 +72,7 @@ def _session_options(ort, threads: int | None, allow_spinning: bool | None = Non
 class OnnxRuntimeBackend:
     name = "onnxruntime"
     engine_filename = "engine.onnx"
+    uses_gpu = False  # the CPU execution provider only, whatever the node has
 
     def __init__(self, intra_op_threads: int | None = None, allow_spinning: bool | None = None):
         if intra_op_threads is None and os.environ.get(THREADS_ENV):

@@ -129,6 +129,7 @@ def _errors(logger: CollectingLogger) -> str:
 class TensorRTBackend:
     name = "tensorrt"
     engine_filename = "engine.plan"
+    uses_gpu = True
 
     def __init__(self, trt_module: Any = None, cuda_module: Any = None, device: int = 0):
         # The modules are injectable for tests: TensorRT's builder cannot be installed in CI.

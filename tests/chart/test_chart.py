@@ -560,6 +560,7 @@ SHORT_WINDOWS = ("autoscaling.rules.highFor=5s", "autoscaling.rules.lowFor=10s",
 # Each promtool unit test file and the values its rules are rendered with.
 RULE_TESTS = {
     "default_test.yaml": (),
+    "gpu_visible_test.yaml": (),
     "dcgm_gpu_util_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_DEV_GPU_UTIL",),
     "dcgm_engine_active_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
 }
@@ -572,6 +573,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r'"(\\.|[^"\\])*"', "", expr)
     expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    expr = re.sub(r"\b(and|or|unless)\b", ";", expr)  # else the name before one reads as a function's
     names = set(re.findall(r"[A-Za-z_:][\w:]*(?!\s*[\w:(])", expr))
     return names - {"and", "or", "unless", "bool", "offset", "group_left", "group_right", "Inf", "NaN"}
 
@@ -581,6 +583,7 @@ def test_metric_names_reads_names_only():
                         '{namespace=~"$namespace", model=~"a|b"}[5m])) or on (model) kiln:utilization:ratio') == {
         "kiln_scaling_decisions_total", "kiln:utilization:ratio"}
     assert metric_names('histogram_quantile(0.99, sum by (le) (rate(x_bucket[5m]))) > bool 2') == {"x_bucket"}
+    assert metric_names('a and on (pod) b{t!="cpu"} or c unless d') == {"a", "b", "c", "d"}
 
 
 def rules_text(*sets: str) -> str:
@@ -617,7 +620,8 @@ def test_the_rules_are_the_contract():
         assert {"summary", "description"} <= set(rule["annotations"]), name
         assert metric_names(rule["expr"]) == {RECORDED, "kiln_autoscaling_target_ratio"}, name
     assert [alerts[a]["for"] for a in ALERTS] == ["1m", "2m", "2m"]
-    assert metric_names(group["rules"][0]["expr"]) == {"kiln_gpu_utilization_ratio", "kiln_engine_busy_seconds_total"}
+    assert metric_names(group["rules"][0]["expr"]) == {
+        "kiln_gpu_utilization_ratio", "kiln_model_info", "kiln_engine_busy_seconds_total"}
     assert "rate(kiln_engine_busy_seconds_total[1m])" in group["rules"][0]["expr"]
     assert "(0.5 * max by (namespace, model) (kiln_autoscaling_target_ratio))" in alerts["KilnUtilizationLow"]["expr"]
 
@@ -634,7 +638,7 @@ def test_rule_values_reach_the_rules():
                          {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "kiln_model_info"})]:
         expr = yaml.safe_load(rules_text(*sets))["groups"][0]["rules"][0]["expr"]
         assert metric_names(expr) == names | {"kiln_engine_busy_seconds_total"}
-        assert "on (namespace, pod) group_left (model)" in expr
+        assert "on (namespace, pod) group_left (model)" in expr and 'kiln_model_info{target!="cpu"}' in expr
         assert ("DCGM_FI_DEV_GPU_UTIL / 100" in expr) == ("DCGM_FI_DEV_GPU_UTIL" in names)
 
 
@@ -681,7 +685,7 @@ def test_promtool_rules_unit_tests(tmp_path, test_file):
 def test_promtool_rules_unit_tests_can_fail(tmp_path):
     # The same unit tests against rules that read busy time before the GPU: they must fail.
     text = RULES_FILE.read_text()
-    gpu = "avg by (namespace, model) (kiln_gpu_utilization_ratio)"
+    gpu = 'avg by (namespace, model) (kiln_gpu_utilization_ratio and on (namespace, pod) kiln_model_info{target!="cpu"})'
     busy = "avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[1m]))"
     assert gpu in text and busy in text
     (tmp_path / RULES_KEY).write_text(text.replace(gpu, "__GPU__").replace(busy, gpu).replace("__GPU__", busy))

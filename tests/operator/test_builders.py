@@ -214,6 +214,21 @@ class TestRuntimeDeployment:
         dep, _ = self.deployment()
         assert "env" not in dep["spec"]["template"]["spec"]["containers"][0]
 
+    def test_a_cpu_model_sees_no_gpu(self):
+        # Its image says NVIDIA_VISIBLE_DEVICES=all: on a GPU node it would see every GPU.
+        dep, _ = self.deployment(engine={"backend": "onnxruntime", "precision": "fp32"})
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+        assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+        sequences = {"states": [{"input": "past", "output": "present"}]}
+        dep, _ = self.deployment(engine={"backend": "onnxruntime", "precision": "fp32"}, runtime={"sequences": sequences})
+        assert [v["name"] for v in dep["spec"]["template"]["spec"]["containers"][0]["env"]] == [
+            "KILN_NAMESPACE", "NVIDIA_VISIBLE_DEVICES"]
+        # A GPU model's variable is the device plugin's: what it allocated.
+        for engine in ({"targets": ["H100"]}, {"backend": "onnxruntime", "precision": "fp32", "targets": ["cpu", "sm90"]}):
+            dep, _ = self.deployment(engine=engine)
+            assert "env" not in dep["spec"]["template"]["spec"]["containers"][0], engine
+
     def test_one_engine_flag_per_architecture(self):
         dep, engines = self.deployment(engine={"targets": ["A100", "H100"]})
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]

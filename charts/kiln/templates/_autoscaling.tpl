@@ -12,16 +12,18 @@ groups:
     interval: {{ . }}
     {{- end }}
     rules:
-      # A model's utilization (0..1) averaged over its pods: the GPU's where there is a GPU
-      # metric, else the fraction of engine capacity in use, which every backend reports.
+      # A model's utilization (0..1) averaged over its pods: the GPU's where its engine runs on
+      # a GPU (kiln_model_info's target is not cpu; a CPU model never takes a GPU series, even
+      # one an older runtime exported because its pod could see a GPU), else the fraction of
+      # engine capacity in use, which every backend reports.
       - record: kiln:utilization:ratio
         expr: |
           {{- if eq $gpu "kiln_gpu_utilization_ratio" }}
-          avg by (namespace, model) (kiln_gpu_utilization_ratio)
+          avg by (namespace, model) (kiln_gpu_utilization_ratio and on (namespace, pod) kiln_model_info{target!="cpu"})
           {{- else }}
           avg by (namespace, model) (
             {{ $gpu }}{{ if eq $gpu "DCGM_FI_DEV_GPU_UTIL" }} / 100{{ end }}
-            * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info)
+            * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info{target!="cpu"})
           )
           {{- end }}
           or
