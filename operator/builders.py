@@ -510,6 +510,11 @@ def engine_index_configmap(namespace: str, data: Mapping[str, str]) -> dict[str,
 
 # ------------------------------------------------------------------------ what a Deployment says
 
+# On a runtime Deployment: the generation whose template was rolled out when Kiln last changed
+# its replicas alone (the next generation is then a scale, not a rollout).
+ANN_SCALED_FROM = "kiln.dev/scaled-from-generation"
+
+
 @dataclasses.dataclass
 class DeploymentObservation:
     exists: bool = False
@@ -529,7 +534,12 @@ def observe_deployment(dep: Mapping[str, Any] | None) -> DeploymentObservation:
     updated = int(status.get("updatedReplicas") or 0)
     ready = int(status.get("readyReplicas") or 0)
     replicas = int(status.get("replicas") or 0)
-    seen = int(status.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
+    generation, observed = int(meta.get("generation") or 0), int(status.get("observedGeneration") or 0)
+    # The latest generation only scaled a rolled-out template (`set_replicas` says so): while
+    # the controller and the ReplicaSet catch up, that is no rollout, every pod is of the
+    # current template.
+    scaled = ((meta.get("annotations") or {}).get(ANN_SCALED_FROM) == str(generation - 1)
+              and observed >= generation - 1)
     labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
     # The Deployment controller's own word that the rollout completed (its Progressing
     # condition; it stays so when a pod fails later): until then, pods that are still
@@ -538,7 +548,8 @@ def observe_deployment(dep: Mapping[str, Any] | None) -> DeploymentObservation:
     completed = progressing is None or progressing.get("reason") == "NewReplicaSetAvailable"
     return DeploymentObservation(
         exists=True, engine_key=labels.get(LABEL_ENGINE_KEY, ""), replicas=replicas, ready=ready, updated=updated,
-        desired=desired, rolled_out=seen and completed and updated >= desired and replicas <= desired)
+        desired=desired, rolled_out=completed and (updated >= replicas if scaled else
+                                                   observed >= generation and updated >= desired and replicas <= desired))
 
 
 # The container fields Kiln restores when someone else changes them (the kopf index of

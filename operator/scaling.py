@@ -214,21 +214,21 @@ async def step(p: Pass) -> StepResult:
         metrics.forget(p.ns, p.name)
         return StepResult(out=Scale(builders.desired_replicas(p.spec), bool(auto.get("enabled"))))
     state = p.previous.get("scaling") if isinstance(p.previous.get("scaling"), dict) else {}
+    now, budget = p.ctx.clock(), p.ctx.config.startup_budget_seconds
     if int(state.get("generation") or 0) > p.generation:
         # A view older than the autoscaler's own last write (a watch event still in flight):
         # deciding from it would undo that write.
-        return StepResult(out=Scale(int(state["replicas"]), True))
+        return StepResult(out=Scale(int(state["replicas"]), True, scaled_up_from(state, now, budget)))
     current = int((p.spec.get("runtime") or {}).get("replicas", 1))
     ready = sum(int(((p.views.deployment(p.ns, builders.runtime_name(p.name, t)) or {}).get("status") or {})
                     .get("readyReplicas") or 0) for t in (builders.STABLE, builders.CANARY))
-    now = p.ctx.clock()
     d = decide(Policy.from_spec(auto), current, ready, sig.parse(p.model["metadata"].get("annotations")),
                state, now, p.ctx.config.signal_ttl_seconds)
     new_state, recorded = next_state(state, current, d, now)
     if d.replicas != current:
         generation = await _write_replicas(p, d.replicas)
         if generation is None:  # changed meanwhile: the pass its watch event brings decides again
-            return StepResult(out=Scale(builders.desired_replicas(p.spec), True))
+            return StepResult(out=Scale(builders.desired_replicas(p.spec), True, scaled_up_from(state, now, budget)))
         new_state["generation"] = generation
     told = event_of(current, d, recorded)
     if told:
@@ -237,7 +237,7 @@ async def step(p: Pass) -> StepResult:
         metrics.decisions.labels(p.ns, p.name, direction).inc()
     metrics.set_autoscaled(p.ns, p.name, auto, d.replicas)
     return StepResult(status={"scaling": new_state}, wake_after=d.look_again,
-                      out=Scale(d.replicas, True, scaled_up_from(new_state, now, p.ctx.config.startup_budget_seconds)))
+                      out=Scale(d.replicas, True, scaled_up_from(new_state, now, budget)))
 
 
 def scaled_up_from(state: Mapping[str, Any], now: datetime.datetime, within: float) -> int | None:

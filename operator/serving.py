@@ -122,7 +122,10 @@ async def set_replicas(p: Pass, dep: Mapping[str, Any] | None, replicas: int) ->
         return dep
     if int((dep.get("spec") or {}).get("replicas", 1)) == replicas:
         return dep
-    return await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"], {"spec": {"replicas": replicas}})
+    patch: dict[str, Any] = {"spec": {"replicas": replicas}}
+    if builders.observe_deployment(dep).rolled_out:  # then the generation this makes is a scale alone
+        patch["metadata"] = {"annotations": {builders.ANN_SCALED_FROM: str(dep["metadata"].get("generation") or 0)}}
+    return await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"], patch)
 
 
 async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track, replicas: int) -> Mapping[str, Any]:

@@ -440,6 +440,18 @@ class TestObservedDeployment:
         assert not b.observe_deployment({**dep, "status": starting}).rolled_out
         assert b.observe_deployment({**dep, "status": done}).rolled_out
 
+    def test_a_generation_that_only_scales_a_rolled_out_template_is_no_rollout(self):
+        # 1 -> 3 replicas at generation 5, the controller still at 4: a scale, said so by Kiln.
+        status = {"observedGeneration": 4, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+        scaled = {"metadata": {"generation": 5, "annotations": {b.ANN_SCALED_FROM: "4"}},
+                  "spec": {"replicas": 3}, "status": status}
+        assert b.observe_deployment(scaled).rolled_out
+        # The controller saw it, the ReplicaSet has not made the pods yet: still a scale.
+        assert b.observe_deployment({**scaled, "status": {**status, "observedGeneration": 5}}).rolled_out
+        # Without the word, or after a later change (a template), it is not known yet.
+        assert not b.observe_deployment({**scaled, "metadata": {"generation": 5}}).rolled_out
+        assert not b.observe_deployment({**scaled, "metadata": {**scaled["metadata"], "generation": 6}}).rolled_out
+
 
 class TestTemplateDrift:
     def applied(self):
