@@ -89,7 +89,7 @@ cluster-down:
 	cd tests && ../$(BIN)/python -m localcluster stop
 
 demo: install
-	$(BIN)/python -m kiln.runtime.demo
+	$(BIN)/python -m kiln.runtime.commands.demo
 
 # wrk (Debian): the serving benchmark's load generator, C and event-driven, so it leaves
 # the cores to the server it measures.

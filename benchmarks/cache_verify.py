@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-from kiln.runtime import cache, enginekey
+from kiln.runtime.engine import cache
+from kiln.runtime.api import enginekey
 
 TARGET_OVERHEAD = 0.15  # cold, and a whole load
 TARGET_WARM_OVERHEAD = 0.50
@@ -31,13 +32,13 @@ TARGET_WARM_OVERHEAD = 0.50
 # Runs in a fresh interpreter: one load, its seconds on stdout.
 _CHILD = """
 import sys, time
-from kiln.runtime import cache
+from kiln.runtime.engine import cache
 entry, mode, backend = sys.argv[1:4]
 read = {"verified": cache.read_verified, "unverified": cache.read_unverified,
         "parallel": lambda e: cache.read_unverified(e, threads=cache._verify_threads(1 << 30))
         }[mode]
 if backend != "-":
-    from kiln.runtime.backends import get_backend
+    from kiln.runtime.engine.backends import get_backend
     b = get_backend(backend)
 started = time.perf_counter()
 data = read(entry)[0]

@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from kiln.runtime import protocol
-from kiln.runtime.backends.base import TensorSpec
+from kiln.runtime.serving import protocol
+from kiln.runtime.engine.backends.base import TensorSpec
 
 WIDTH = 2048
 INPUTS = [TensorSpec("x", "FP32", (-1, WIDTH))]

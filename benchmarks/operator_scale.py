@@ -71,7 +71,7 @@ def run(quick: bool) -> str:
     kubeemu = _emulator_module()
     from kiln.operator import builders, main
     from kiln.operator.config import OperatorConfig
-    from kiln.runtime import spec as specmod
+    from kiln.runtime.api import spec as specmod
 
     n_burst = 100 if quick else 500
     n_single = 30 if quick else 60

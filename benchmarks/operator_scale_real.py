@@ -130,7 +130,7 @@ def prepare(cp: Any, root: Path, namespaces: list[str]) -> tuple[Any, Path]:
     import localcluster
     from localcluster.client import Api, wait_for
     from localcluster.kubelet import Kubelet
-    from kiln.runtime import spec as specmod
+    from kiln.runtime.api import spec as specmod
 
     api = Api(cp.admin_kubeconfig)
     api.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", specmod.load_crd())

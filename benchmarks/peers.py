@@ -246,7 +246,7 @@ def check(url: str, model: Model, binary: bool, rows: int = 3) -> None:
     """The server's answer (JSON or binary) equals ONNX Runtime run directly."""
     import onnxruntime as ort
 
-    from kiln.runtime.protocol import decode_infer_response
+    from kiln.runtime.serving.protocol import decode_infer_response
 
     body, headers = request_body(model, rows, binary)
     req = urllib.request.Request(f"{url}/v2/models/{model.name}/infer", data=body,

@@ -5,7 +5,7 @@ recomputing the prefix from the start (the compute a restart without a store was
 sequences of 100 and 1,000 steps; and the per-step overhead of storing state, for states of
 1 KB, 1 MB and 64 MB, as a ratio against a stateless step of the same model in the same run.
 
-Everything real but the HTTP hop: `SequenceManager.step` (runtime/sequences.py) over ONNX
+Everything real but the HTTP hop: `SequenceManager.step` (runtime/serving/sequences/manager.py) over ONNX
 Runtime sessions of models made with onnx.helper, and Debian's `redis-server` on loopback
 (tests/runtime/sequence_models.py starts it: no persistence, a free port).
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "tests" / "runtime"))
 
 from sequence_models import RedisServer, autoregressive_model, redis_server_binary  # noqa: E402
 
-from kiln.runtime import sequences as sq  # noqa: E402
+from kiln.runtime.serving.sequences import manager as sq  # noqa: E402
 
 HIDDEN = VOCAB = 1024
 
@@ -50,7 +50,7 @@ def _session(model: bytes):
 
 
 def _specs(session, which):
-    from kiln.runtime.backends.onnxruntime import _spec
+    from kiln.runtime.engine.backends.onnxruntime import _spec
 
     return [_spec(a) for a in (session.get_inputs() if which == "in" else session.get_outputs())]
 
@@ -154,7 +154,7 @@ async def _overhead(address: str, size: int, steps: int) -> dict[str, float]:
 def _run(coro):
     """On the event loop `kiln serve` uses (uvloop where installed, as in the runtime image):
     asyncio's own transport moves a 64 MB write several times slower."""
-    from kiln.runtime.server import run_event_loop
+    from kiln.runtime.serving.process import run_event_loop
     return run_event_loop(coro)
 
 

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kiln.runtime.build import BuildRequest, build_engine
+from kiln.runtime.engine.build import BuildRequest, build_engine
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "examples" / "demo" / "model.onnx"

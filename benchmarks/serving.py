@@ -2,7 +2,7 @@
 backend's in-process ceiling.
 
 Each point starts real `kiln serve` processes on 127.0.0.1 (engines built into a
-temporary cache with `kiln.runtime.build.build_engine`) and drives them with wrk (C,
+temporary cache with `kiln.runtime.engine.build.build_engine`) and drives them with wrk (C,
 event-driven; `make bench-tools` installs the Debian package): N connections, each sending
 its next request when the previous one is answered, for a fixed time after a warm-up. A
 Python client only checks the answers. Requests use the binary tensor extension unless a
@@ -109,7 +109,7 @@ def mlp_model(workdir: Path) -> Model:
 
 
 def build(model: Model, cache_dir: Path) -> None:
-    from kiln.runtime.build import BuildRequest, build_engine
+    from kiln.runtime.engine.build import BuildRequest, build_engine
 
     request = BuildRequest.from_dict({
         "namespace": "bench", "name": model.name, "target": "cpu",
@@ -254,7 +254,7 @@ class LoadResult:
 
 
 def request_body(model: Model, rows: int, binary: bool) -> tuple[bytes, dict[str, str]]:
-    from kiln.runtime.protocol import encode_infer_request
+    from kiln.runtime.serving.protocol import encode_infer_request
 
     body, json_length = encode_infer_request(model.sample(rows), binary=binary, binary_outputs=binary)
     if json_length is None:
@@ -353,7 +353,7 @@ def check_answer(base: str, model: Model, rows: int = 3) -> None:
     server that computes the right thing)."""
     import onnxruntime as ort
 
-    from kiln.runtime.protocol import decode_infer_response
+    from kiln.runtime.serving.protocol import decode_infer_response
 
     body, headers = request_body(model, rows, binary=True)
     req = urllib.request.Request(f"{base}/v2/models/{model.name}/infer", data=body,
@@ -370,8 +370,8 @@ def check_answer(base: str, model: Model, rows: int = 3) -> None:
 # -- in-process baselines ------------------------------------------------------------------
 
 def _engine(model: Model, threads: int, spinning: bool | None = None):
-    from kiln.runtime.backends.base import BuildOptions
-    from kiln.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from kiln.runtime.engine.backends.base import BuildOptions
+    from kiln.runtime.engine.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(intra_op_threads=threads, allow_spinning=spinning)
     return backend.load(backend.build(model.onnx_path.read_bytes(), BuildOptions()), {})
@@ -442,8 +442,8 @@ class _FailingEngine:
 
 def recovery(model: Model, cfg: dict[str, Any], trials: int) -> tuple[list[float], int, int]:
     """Recovery times (s) of injected failures; contexts created; recreations counted."""
-    from kiln.runtime.metrics import ServerMetrics
-    from kiln.runtime.scheduler import Scheduler
+    from kiln.runtime.serving.metrics import ServerMetrics
+    from kiln.runtime.serving.scheduling.scheduler import Scheduler
 
     engine = _FailingEngine(_engine(model, cfg["threads"], cfg.get("spin")))
     metrics = ServerMetrics()
@@ -467,8 +467,8 @@ def recovery(model: Model, cfg: dict[str, Any], trials: int) -> tuple[list[float
 
 def scheduler_rate(model: Model, cfg: dict[str, Any], seconds: float, concurrency: int = 64) -> float:
     """Requests/s through Scheduler.submit() in-process (no HTTP): the scheduler's own cost."""
-    from kiln.runtime.metrics import ServerMetrics
-    from kiln.runtime.scheduler import Scheduler
+    from kiln.runtime.serving.metrics import ServerMetrics
+    from kiln.runtime.serving.scheduling.scheduler import Scheduler
 
     engine = _engine(model, cfg["threads"], cfg.get("spin"))
     inputs = model.sample(1)

@@ -28,9 +28,9 @@ from kiln import __version__
 # configure() must not import heavy dependencies: it runs for every `kiln --help`.
 SUBCOMMANDS = {
     "operator": ("kiln.operator.main", "operator"),
-    "build": ("kiln.runtime.build", "runtime"),
-    "serve": ("kiln.runtime.serve", "runtime"),
-    "dev": ("kiln.runtime.dev", "runtime"),
+    "build": ("kiln.runtime.commands.build", "runtime"),
+    "serve": ("kiln.runtime.commands.serve", "runtime"),
+    "dev": ("kiln.runtime.commands.dev", "runtime"),
     "rollout": ("kiln.operator.rollout_cli", "operator"),
 }
 EXIT_MISSING_EXTRA = 2

@@ -1,10 +1,10 @@
-"""Regenerate runtime/grpc_service_pb2.py (the messages) from runtime/grpc_service.proto
+"""Regenerate runtime/serving/grpc/grpc_service_pb2.py (the messages) from runtime/serving/grpc/grpc_service.proto
 (needs grpcio-tools, a dev-only dependency). The service's handlers are not generated:
-runtime/grpc_server.py builds them from the service's descriptor.
+runtime/serving/grpc/endpoint.py builds them from the service's descriptor.
 
     python hack/gen_grpc.py [OUT_DIR]
 
-OUT_DIR defaults to runtime/ (tests/runtime/test_grpc.py generates into a temporary one
+OUT_DIR defaults to runtime/serving/grpc/ (tests/runtime/test_grpc.py generates into a temporary one
 and compares). One edit after protoc: the messages are built in a descriptor pool of their
 own, not protobuf's default one: tritonclient (and any Triton or KServe stub) registers its
 own `inference` package there, and one process may hold both (a test, a client embedding
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
+RUNTIME = Path(__file__).resolve().parent.parent / "runtime" / "serving" / "grpc"
 PROTO = "grpc_service.proto"
 POOL_LINE = "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile("
 PRIVATE_POOL = ("# Kiln: a pool of its own (hack/gen_grpc.py), so Triton's stubs of the same package\n"

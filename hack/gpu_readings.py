@@ -37,11 +37,11 @@ def _kiln():
 
 def exported(backend: str, environ: dict[str, str], nvml=None) -> list[str]:
     """The kiln_gpu_* lines /metrics carries for an engine of `backend` under `environ`:
-    runtime/model.py registers the collector only where the backend uses the GPU."""
+    runtime/serving/model.py registers the collector only where the backend uses the GPU."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kiln.runtime import gpu
-    from kiln.runtime.backends import get_backend
+    from kiln.runtime.engine import gpu
+    from kiln.runtime.engine.backends import get_backend
 
     registry = CollectorRegistry()
     if get_backend(backend).uses_gpu:
@@ -67,7 +67,7 @@ def cases(samples, own: dict[str, str]) -> list[tuple[str, str, dict[str, str]]]
 
 def report(nvml=None, environ=os.environ) -> Iterator[str]:
     """The report's lines, one case after another (a case's log lines print before its series)."""
-    from kiln.runtime import gpu
+    from kiln.runtime.engine import gpu
 
     own = {k: environ[k] for k in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if k in environ}
     yield f"this process: {' '.join(f'{k}={v}' for k, v in own.items()) or 'neither variable set'}"

@@ -38,8 +38,8 @@ from aiohttp import HttpVersion11, web, web_protocol
 from kiln.operator import signals as sig
 from kiln.operator.kube import POOL_SIZE, ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
-from kiln.runtime import spec as specmod
-from kiln.runtime.contract import API_VERSION, KIND
+from kiln.runtime.api import spec as specmod
+from kiln.runtime.api.contract import API_VERSION, KIND
 
 logger = logging.getLogger("kiln.operator.alerts")
 

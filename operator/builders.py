@@ -4,7 +4,7 @@ Nothing here talks to the API or reads the clock except through an argument, so 
 function is tested without a cluster (tests/operator/test_builders.py).
 
 - `plan_engines`: the engines the spec needs, one per distinct target architecture, with
-  their keys (`kiln.runtime.enginekey`).
+  their keys (`kiln.runtime.api.enginekey`).
 - `build_job`: the build Job for one engine (`kiln build --request ...`).
 - `runtime_deployment`, `runtime_service`: the serving workload (`kiln serve ...`).
 - `job_state`, `termination_result`: what a finished build Job and its pod say.
@@ -22,16 +22,16 @@ import math
 from typing import Any, Iterable, Mapping
 
 from kiln.operator.config import OperatorConfig
-from kiln.runtime import contract, enginekey
+from kiln.runtime.api import contract, enginekey
 
-# The shared contract, re-exported for the operator's modules and tests (one home: runtime/contract.py).
-from kiln.runtime.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION, ANN_MODEL_VERSION,  # noqa: E402,F401
+# The shared contract, re-exported for the operator's modules and tests (one home: runtime/api/contract.py).
+from kiln.runtime.api.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION, ANN_MODEL_VERSION,  # noqa: E402,F401
                                    ANN_REQUESTED_BY, API_VERSION, CACHE_DIR, ENGINE_INDEX, GROUP, KIND, LABEL_ENGINE_KEY,
                                    LABEL_KEY, LABEL_MODEL, LABEL_ROLE, LABEL_TARGET, LABEL_TRACK, MANAGED_BY, PVC_ROOT,
                                    SERVICE_PORT, VERSION)
-from kiln.runtime.contract import GRPC_PORT  # noqa: E402
-from kiln.runtime.contract import FRONT_END_SHM_BYTES, MAX_AUTO_FRONT_END_WORKERS  # noqa: E402
-from kiln.runtime.errors import EXIT_REASONS  # noqa: E402,F401
+from kiln.runtime.api.contract import GRPC_PORT  # noqa: E402
+from kiln.runtime.api.contract import FRONT_END_SHM_BYTES, MAX_AUTO_FRONT_END_WORKERS  # noqa: E402
+from kiln.runtime.api.errors import EXIT_REASONS  # noqa: E402,F401
 
 RUNTIME_PORT_NAME = "http"
 GRPC_PORT_NAME = "grpc"

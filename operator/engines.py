@@ -19,7 +19,7 @@ from kiln.operator import builders
 from kiln.operator import conditions as cond
 from kiln.operator.kube import ApiError
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
-from kiln.runtime import contract
+from kiln.runtime.api import contract
 
 OWNS = Owns(conditions=("EngineReady",), fields=("engines",), refused="EngineReady")
 

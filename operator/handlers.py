@@ -31,7 +31,7 @@ import kopf
 
 from kiln.operator import builders, reconcile, rollout
 from kiln.operator import signals as sig
-from kiln.runtime import contract
+from kiln.runtime.api import contract
 
 logger = logging.getLogger("kiln.operator.handlers")
 

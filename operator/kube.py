@@ -26,7 +26,7 @@ import urllib.parse
 import uuid
 from typing import Any, Mapping
 
-from kiln.runtime.contract import API_VERSION, KIND, PLURAL
+from kiln.runtime.api.contract import API_VERSION, KIND, PLURAL
 
 logger = logging.getLogger("kiln.operator.kube")
 

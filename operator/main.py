@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from kiln.operator import alerts
-    from kiln.runtime import enginekey
+    from kiln.runtime.api import enginekey
 
     config = config_from_args(args)
     try:

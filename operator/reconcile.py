@@ -24,7 +24,7 @@ from kiln.operator import engines, rollout, scaling, serving
 from kiln.operator.kube import ApiError
 from kiln.operator.steps import (RECONCILE_OWNS, REFUSED, Context, Event, Owns, Pass, StepResult, Views,  # noqa: F401
                                  merge, refusal, refused)
-from kiln.runtime import contract
+from kiln.runtime.api import contract
 
 logger = logging.getLogger("kiln.operator.reconcile")
 

@@ -29,7 +29,7 @@ from kiln.operator import canary as cn
 from kiln.operator.engines import EngineObservation
 from kiln.operator.kube import ApiError
 from kiln.operator.steps import Condition, Owns, Pass, StepResult
-from kiln.runtime import contract
+from kiln.runtime.api import contract
 
 OWNS = Owns(conditions=("Progressing",), fields=("engineKey", "stable", "canary", "rollback"),
             sticky=("canary", "rollback"), refused="Progressing")

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from kiln.runtime.contract import ANN_ROLLOUT_ACTION as ANN_ACTION, KIND
+from kiln.runtime.api.contract import ANN_ROLLOUT_ACTION as ANN_ACTION, KIND
 
 ACTIONS = ("promote", "abort")
 
@@ -202,7 +202,7 @@ def announce(obj: Mapping[str, Any], action: str, pending: str | None = None) ->
 
 def describe(obj: Mapping[str, Any], now: datetime.datetime) -> str:
     """The rollout of `obj` as text: stable, canary (step, weights, time, failures, last analysis), rollback."""
-    from kiln.runtime import spec as specmod
+    from kiln.runtime.api import spec as specmod
 
     meta, status = obj["metadata"], obj.get("status") or {}
     rollout = (specmod.apply_defaults(obj.get("spec") or {}).get("rollout") or {})

@@ -40,7 +40,7 @@ from kiln.operator import builders
 from kiln.operator import signals as sig
 from kiln.operator.kube import ApiError
 from kiln.operator.steps import Event, Owns, Pass, StepResult
-from kiln.runtime import contract
+from kiln.runtime.api import contract
 
 OWNS = Owns(fields=("scaling",), sticky=("scaling",))
 HISTORY = 10  # status.scaling.history entries kept

@@ -21,7 +21,7 @@ from kiln.operator import conditions as cond
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
-from kiln.runtime import spec as specmod
+from kiln.runtime.api import spec as specmod
 
 Event = tuple[str, str, str]  # (type, reason, message)
 Condition = tuple[bool, str, str]  # (status, reason, message)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.runtime import enginekey
+from kiln.runtime.api import enginekey
 
 MODEL = {"uri": "pvc://models/resnet50/model.onnx", "version": "1.0"}
 ENGINE = {

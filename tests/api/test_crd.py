@@ -1,6 +1,6 @@
 """The InferenceModel CRD: what `kubectl apply` accepts or rejects, defaults, explain, columns.
 
-Manifests are validated the way the API server does it (runtime/spec.py): the CRD's
+Manifests are validated the way the API server does it (runtime/api/spec.py): the CRD's
 openAPIV3Schema through jsonschema, then every x-kubernetes-validations CEL rule through
 cel-python. Each tests/api/invalid/*.yaml carries the exact messages it must be rejected
 with in `# expect:` comments.
@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kiln.runtime import enginekey, spec
+from kiln.runtime.api import enginekey, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / spec.CRD_FILE

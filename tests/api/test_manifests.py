@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.runtime import spec
+from kiln.runtime.api import spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = """\

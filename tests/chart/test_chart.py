@@ -22,7 +22,7 @@ import yaml
 
 from kiln.operator import signals
 from kiln.operator.metrics import OperatorMetrics
-from kiln.runtime.metrics import ServerMetrics
+from kiln.runtime.serving.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kiln"
@@ -428,7 +428,7 @@ def runtime_pod_template() -> dict:
     """A runtime pod as the operator builds it (labels, ports, annotations)."""
     from kiln.operator import builders
     from kiln.operator.config import OperatorConfig
-    from kiln.runtime import spec as specmod
+    from kiln.runtime.api import spec as specmod
 
     model = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
              "metadata": {"name": "resnet", "namespace": "ml-prod", "uid": "u-1", "generation": 1}}

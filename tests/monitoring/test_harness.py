@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 import monitoring
 import snippets
-from kiln.runtime.build import BuildRequest, build_engine
-from kiln.runtime.demo import http, wait_ready
+from kiln.runtime.engine.build import BuildRequest, build_engine
+from kiln.runtime.commands.demo import http, wait_ready
 from monitoring import (Alertmanager, ConfigError, Prometheus, WebhookRecorder, kiln_alertmanager_config,
                         operator_scrape_config, pod_http_sd_scrape_config, pod_scrape_config, static_scrape_config)
 from monitoring.process import check_config, die_with_parent, free_port

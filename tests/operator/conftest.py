@@ -132,7 +132,7 @@ class OperatorThread:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kiln.runtime import spec as specmod
+    from kiln.runtime.api import spec as specmod
 
     emu = kubeemu.ThreadedEmulator(crd=specmod.load_crd())
     kubeconfig = emu.emu.kubeconfig(tmp_path_factory.mktemp("kube") / "kubeconfig")

@@ -14,7 +14,7 @@ import pytest
 from kiln.operator import alerts, kube, signals as sig
 from kiln.operator.kube import path_for
 from kiln.operator.metrics import OperatorMetrics
-from kiln.runtime.contract import API_VERSION, KIND
+from kiln.runtime.api.contract import API_VERSION, KIND
 
 NS, OTHER = "watched", "other"  # OTHER is not watched
 # The objects a confused deputy reached before issue 19 (kind, namespace, name); `target` is

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite
 
 from kiln.operator import alerts, signals as sig
-from kiln.runtime.contract import API_VERSION, GROUP, KIND, PLURAL
+from kiln.runtime.api.contract import API_VERSION, GROUP, KIND, PLURAL
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,8 +9,8 @@ import pytest
 
 from kiln.operator import builders as b
 from kiln.operator.config import OperatorConfig
-from kiln.runtime import enginekey
-from kiln.runtime import spec as specmod
+from kiln.runtime.api import enginekey
+from kiln.runtime.api import spec as specmod
 
 CONFIG = OperatorConfig(builder_image="registry.example/kiln:1", runtime_image="registry.example/kiln:1")
 MODEL = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.operator.kube import path_for
-from kiln.runtime.contract import API_VERSION, KIND
+from kiln.runtime.api.contract import API_VERSION, KIND
 
 
 def test_path_for_quotes_every_segment_and_refuses_dot_segments_and_slashes():

@@ -116,7 +116,7 @@ def example_manifests() -> list[dict]:
 @pytest.mark.parametrize("manifest", example_manifests() or [model("examples", "fixture")],
                          ids=lambda m: m["metadata"]["name"])
 def test_example_manifest_builds_one_job_per_architecture(api, operator, manifest):
-    from kiln.runtime import enginekey
+    from kiln.runtime.api import enginekey
 
     m = copy.deepcopy(manifest)
     ns = "ex-" + m["metadata"]["name"]

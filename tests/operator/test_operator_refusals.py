@@ -16,8 +16,8 @@ import pytest
 
 from kiln.operator import builders as b
 from kiln.operator.config import OperatorConfig
-from kiln.runtime import contract
-from kiln.runtime import spec as specmod
+from kiln.runtime.api import contract
+from kiln.runtime.api import spec as specmod
 
 import kubeemu  # conftest loaded it: the emulator the fixtures run
 

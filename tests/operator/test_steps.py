@@ -15,7 +15,7 @@ from kiln.operator import builders as b
 from kiln.operator import engines, reconcile, rollout, scaling, serving, steps
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import ApiError
-from kiln.runtime import spec as specmod
+from kiln.runtime.api import spec as specmod
 
 CONFIG = OperatorConfig(retry_seconds=2.0)
 NS, NAME, UID = "vision", "resnet", "uid-model"

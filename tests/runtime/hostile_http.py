@@ -26,7 +26,7 @@ if HERE not in sys.path:
 from test_server import (NAME, Built, ServerThread, assert_matches,  # noqa: E402
                          json_inputs, sample)
 
-from kiln.runtime.protocol import (HEADER_LENGTH, decode_infer_response,  # noqa: E402
+from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,  # noqa: E402
                                    encode_infer_request)
 
 __all__ = ["NAME", "Built", "ServerThread", "json_inputs", "sample", "HEADER_LENGTH",

@@ -5,8 +5,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.runtime.backends import get_backend
-from kiln.runtime.backends.base import (BuildOptions, InvalidModelError, InvalidProfileError,
+from kiln.runtime.engine.backends import get_backend
+from kiln.runtime.engine.backends.base import (BuildOptions, InvalidModelError, InvalidProfileError,
                                         ShapeRange, TensorSpec, UnsupportedError)
 
 
@@ -81,7 +81,7 @@ def test_invalid_models_profiles_and_flags():
 
 
 def test_run_errors_are_backend_errors_that_say_whose_they_are():
-    from kiln.runtime.backends.base import BackendError, InvalidInputError
+    from kiln.runtime.engine.backends.base import BackendError, InvalidInputError
 
     backend = get_backend("onnxruntime")
     loaded = backend.load(backend.build(mlp(), BuildOptions()), {})
@@ -97,8 +97,8 @@ def test_run_errors_are_backend_errors_that_say_whose_they_are():
 
 
 def test_intra_op_threads_from_the_environment(monkeypatch):
-    from kiln.runtime.backends.base import BackendError
-    from kiln.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from kiln.runtime.engine.backends.base import BackendError
+    from kiln.runtime.engine.backends.onnxruntime import OnnxRuntimeBackend
     monkeypatch.setenv("KILN_ORT_INTRA_OP_THREADS", "1")
     assert OnnxRuntimeBackend().intra_op_threads == 1
     monkeypatch.setenv("KILN_ORT_INTRA_OP_THREADS", "many")
@@ -107,8 +107,8 @@ def test_intra_op_threads_from_the_environment(monkeypatch):
 
 
 def test_spinning_from_the_environment(monkeypatch):
-    from kiln.runtime.backends.base import BackendError
-    from kiln.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from kiln.runtime.engine.backends.base import BackendError
+    from kiln.runtime.engine.backends.onnxruntime import OnnxRuntimeBackend
     monkeypatch.setenv("KILN_ORT_ALLOW_SPINNING", "0")
     backend = OnnxRuntimeBackend()
     assert backend.allow_spinning is False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.runtime.batching import BatchingConfig, concat, plan, request_rows, signature, split
+from kiln.runtime.serving.scheduling.batching import BatchingConfig, concat, plan, request_rows, signature, split
 
 
 def take(rows, waited=0.0, max_rows=8, preferred=(), max_delay=0.001, flush=False):
@@ -47,7 +47,7 @@ class TestPlan:
 
 class TestConfig:
     def test_defaults_are_the_documented_ones(self):
-        from kiln.runtime import spec
+        from kiln.runtime.api import spec
         c = BatchingConfig.from_spec(None)
         assert c == BatchingConfig(enabled=True, max_batch_size=32, preferred_batch_sizes=(),
                                    max_queue_delay=0.0, max_queue_size=1024,

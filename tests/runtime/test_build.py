@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from kiln.runtime import build, cache
-from kiln.runtime.backends import get_backend
+from kiln.runtime.commands import build as build_command
+from kiln.runtime.engine import build, cache
+from kiln.runtime.engine.backends import get_backend
 
 KILN = str(Path(sys.executable).parent / "kiln")
 
@@ -132,7 +133,7 @@ def test_failures_exit_with_their_code_and_reason(tmp_path, model, case, code, r
     elif case == "profile":
         req["engine"]["profiles"][0]["input"] = "images"
     elif case == "key":
-        from kiln.runtime import enginekey
+        from kiln.runtime.api import enginekey
         theirs = enginekey.key_inputs(req["model"], req["engine"], "cpu", "0.0.1")
         req["key"], req["keyInputs"] = theirs.key, theirs.to_dict()
     proc, result = kiln_build(tmp_path, req)
@@ -154,7 +155,7 @@ def test_usage_errors_exit_2(tmp_path):
 # process that runs the real `kiln` entry point.
 ENOSPC_WRAPPER = """
 import errno, sys
-from kiln.runtime import cache
+from kiln.runtime.engine import cache
 def full(path, data):
     raise OSError(errno.ENOSPC, "No space left on device", str(path))
 cache._write_file = full
@@ -174,7 +175,7 @@ def test_out_of_disk_exit_7_and_no_debris(tmp_path, model):
 
 
 def test_termination_message_stays_under_4_kib():
-    text = build.result_json({"ok": False, "reason": "BuildFailed", "message": "x" * 10000})
+    text = build_command.result_json({"ok": False, "reason": "BuildFailed", "message": "x" * 10000})
     assert len(text.encode()) <= 4096 and json.loads(text)["reason"] == "BuildFailed"
 
 
@@ -238,7 +239,7 @@ def test_a_corrupt_entry_is_moved_aside_and_built_again(tmp_path, model, case):
 # place publish writes data), as an OOM kill or a node loss would.
 KILLED_WRAPPER = """
 import os, signal, sys
-from kiln.runtime import cache
+from kiln.runtime.engine import cache
 def die_halfway(path, data):
     with open(path, "xb") as f:
         f.write(data[: len(data) // 2])
@@ -273,7 +274,7 @@ def test_the_next_build_removes_what_a_killed_build_left(tmp_path, model):
 # Storage that corrupts what a build writes: the engine published is not the engine built.
 CORRUPTING_WRAPPER = """
 import sys
-from kiln.runtime import cache
+from kiln.runtime.engine import cache
 write = cache._write_file
 def corrupt(path, data):
     data = bytearray(data)

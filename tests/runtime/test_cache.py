@@ -9,7 +9,8 @@ import time
 import pytest
 from blake3 import blake3
 
-from kiln.runtime import cache, enginekey
+from kiln.runtime.engine import cache
+from kiln.runtime.api import enginekey
 
 NS, MODEL = "ml", "resnet"
 
@@ -503,8 +504,8 @@ def test_the_next_publish_of_a_key_removes_its_dead_temporaries_only(tmp_path):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("case", [None, *UNTRUSTED])
 async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case, matmul_onnx):
-    from kiln.runtime.metrics import ServerMetrics
-    from kiln.runtime.model import FAILED, READY, ServedModel
+    from kiln.runtime.serving.metrics import ServerMetrics
+    from kiln.runtime.serving.model import FAILED, READY, ServedModel
 
     root = tmp_path / "cache"
     m = publish(root, matmul_onnx)

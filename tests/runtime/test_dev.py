@@ -24,7 +24,7 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.runtime.dev import resolve_model_uri
+from kiln.runtime.commands.dev import resolve_model_uri
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -238,7 +238,7 @@ def test_kiln_dev_refuses_a_fifo_as_the_model(tmp_path):
 
 
 def test_kiln_dev_explains_tensorrt_without_gpu(tmp_path):
-    from kiln.runtime.gpu import detect_target
+    from kiln.runtime.engine.gpu import detect_target
     if detect_target() != "cpu":
         pytest.skip("this machine has an NVIDIA GPU: tensorrt manifests build here")
     path = manifest(tmp_path, backend="tensorrt", targets=["sm90"])
@@ -257,7 +257,7 @@ def test_relative_file_uris_resolve_against_the_manifest(tmp_path):
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kiln.runtime.demo", "--cache-dir",
+    proc = subprocess.run([sys.executable, "-m", "kiln.runtime.commands.demo", "--cache-dir",
                            str(tmp_path / "cache"), "--timeout", "60"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,7 +10,8 @@ import urllib.parse
 
 import pytest
 
-from kiln.runtime import errors, fetch
+from kiln.runtime.api import errors
+from kiln.runtime.engine import fetch
 
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
 DIGEST = hashlib.sha256(PAYLOAD).hexdigest()

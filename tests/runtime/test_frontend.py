@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.runtime.frontend import default_workers, parse_workers
-from kiln.runtime.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
+from kiln.runtime.serving.workers.supervisor import default_workers, parse_workers
+from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 from .test_server import (NAME, Built, ServerThread, assert_matches, build_cpu_engine,
                           json_inputs, neg_model, sample)

@@ -52,9 +52,10 @@ from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHAR
 from sequence_models import RNN_STATES, rnn_model  # noqa: E402
 from test_server import assert_matches, build_cpu_engine  # noqa: E402
 
-from kiln.runtime import grpc_service_pb2 as pb  # noqa: E402
-from kiln.runtime.grpc_server import CONTENTS_FIELD, code_of  # noqa: E402
-from kiln.runtime.protocol import (decode_infer_response,  # noqa: E402
+from kiln.runtime.serving.grpc import grpc_service_pb2 as pb  # noqa: E402
+from kiln.runtime.serving.grpc.endpoint import CODES, CONTENTS_FIELD  # noqa: E402
+from kiln.runtime.serving.rest.server import HTTP_STATUS  # noqa: E402
+from kiln.runtime.serving.protocol import (decode_infer_response,  # noqa: E402
                                    encode_infer_request)
 
 pytestmark = pytest.mark.timeout(300)
@@ -692,7 +693,7 @@ def test_tenant_headers_are_read_alike_on_both_doors(stateful):
         seq, other = f"h{next(service.ids)}", f"g{next(service.ids)}"
         status, message = service.http_step(seq, pairs)
         code, details = service.grpc_step(channel, other, metadata)
-        assert (code, details) == (code_of(status) if status != 200 else grpc.StatusCode.OK,
+        assert (code, details) == (CODES[{s: k for k, s in HTTP_STATUS.items()}[status]] if status != 200 else grpc.StatusCode.OK,
                                    message), pairs
         if status == 200:  # one tenant on both doors: gRPC continues what HTTP started
             assert service.grpc_step(channel, seq, metadata, start=False)[0] == grpc.StatusCode.OK

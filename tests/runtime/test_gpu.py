@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kiln.runtime import gpu
+from kiln.runtime.engine import gpu
 
 
 def has_gpu() -> bool:
@@ -60,7 +60,7 @@ class Device:
 
 
 class FakeNvml:
-    """The pynvml calls runtime/gpu.py makes, over the GPUs a process sees."""
+    """The pynvml calls runtime/engine/gpu.py makes, over the GPUs a process sees."""
 
     NVML_DEVICE_MIG_ENABLE = 1
 
@@ -193,7 +193,7 @@ def test_the_volume_mounts_device_list(tmp_path):
 
 def test_an_unknown_id_is_logged_once(caplog):
     visible = gpu.VisibleDevices({"NVIDIA_VISIBLE_DEVICES": f"{GPU1},bogus"})
-    with caplog.at_level(logging.WARNING, logger="kiln.runtime.gpu"):
+    with caplog.at_level(logging.WARNING, logger="kiln.runtime.engine.gpu"):
         for _ in range(3):
             assert [s.label for s in visible.select(gpu.read_gpus(node()))] == ["1"]
         # `none` is the toolkit's word for "no GPU", not an unknown id.
@@ -236,9 +236,10 @@ def gpu_node(monkeypatch):
 
 async def served_metrics(root, onnx, backend: str, target: str) -> str:
     """Load `onnx` as a `backend` engine for `target` on this node; its /metrics text."""
-    from kiln.runtime import cache, enginekey
-    from kiln.runtime.metrics import ServerMetrics
-    from kiln.runtime.model import READY, ServedModel
+    from kiln.runtime.engine import cache
+    from kiln.runtime.api import enginekey
+    from kiln.runtime.serving.metrics import ServerMetrics
+    from kiln.runtime.serving.model import READY, ServedModel
 
     ki = enginekey.key_inputs({"uri": "pvc://models/m.onnx", "version": "1"},
                               {"backend": backend, "precision": "fp32"}, target, "1")
@@ -262,8 +263,8 @@ async def test_a_cpu_engine_on_a_gpu_node_exports_no_gpu_series(tmp_path, gpu_no
 
 
 async def test_a_gpu_engine_exports_only_its_own_gpu(tmp_path, gpu_node, matmul_onnx, monkeypatch):
-    from kiln.runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from kiln.runtime.backends.tensorrt import TensorRTBackend
+    from kiln.runtime.engine.backends.onnxruntime import OnnxRuntimeBackend
+    from kiln.runtime.engine.backends.tensorrt import TensorRTBackend
 
     # TensorRT cannot run here: its engine is run by ONNX Runtime, the rest is the GPU path.
     monkeypatch.setattr(TensorRTBackend, "load", lambda self, engine, profiles:

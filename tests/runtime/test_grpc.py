@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kiln.runtime import grpc_service_pb2 as pb
+from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -79,9 +79,9 @@ def test_committed_stubs_match_the_proto(tmp_path):
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     for path in gen.generate(tmp_path):
-        committed = REPO / "runtime" / path.name
+        committed = REPO / "runtime" / "serving" / "grpc" / path.name
         assert path.read_text() == committed.read_text(), (
-            f"runtime/{path.name} is stale: run python hack/gen_grpc.py")
+            f"runtime/serving/grpc/{path.name} is stale: run python hack/gen_grpc.py")
 
 
 def model_infer(channel: grpc.Channel):

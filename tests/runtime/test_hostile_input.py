@@ -30,7 +30,7 @@ from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, Built, ServerT
                           client_error_log_problems, http_request, json_inputs,
                           raw_exchange, sample, strict_json)  # noqa: E402
 
-from kiln.runtime.protocol import encode_infer_request  # noqa: E402
+from kiln.runtime.serving.protocol import encode_infer_request  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from kiln.runtime.build import BuildRequest, build_engine
-from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.model import FAILED, READY, STOPPED, ServedModel
-from kiln.runtime.server import InferenceServer
+from kiln.runtime.engine.build import BuildRequest, build_engine
+from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.model import FAILED, READY, STOPPED, ServedModel
+from kiln.runtime.serving.rest.server import InferenceServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,7 +135,7 @@ def test_kiln_serve_refuses_a_load_timeout_that_is_not_positive(tmp_path, value)
 # bytes, as a read of a hung NFS volume does.
 HUNG_WRAPPER = """
 import sys, threading
-from kiln.runtime import cache
+from kiln.runtime.engine import cache
 def hung(fd, view, offset):
     print("engine read: hung", file=sys.stderr, flush=True)
     threading.Event().wait()

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kiln.runtime.backends.base import ShapeRange, TensorSpec
-from kiln.runtime.protocol import (ProtocolError, decode_infer_response, encode_infer_request,
+from kiln.runtime.engine.backends.base import ShapeRange, TensorSpec
+from kiln.runtime.serving.refusals import Kind, Refusal
+from kiln.runtime.serving.protocol import (decode_infer_response, encode_infer_request,
                                    encode_infer_response, parse_infer_request)
 
 INPUTS = [TensorSpec("mask", "BOOL", (-1, 2)), TensorSpec("half", "FP16", (-1, 2)),
@@ -65,9 +66,9 @@ def test_bool_fp16_uint8_json_and_binary_agree():
     ({**inputs(), "id": 5}, b"", "'id' must be a string"),
 ])
 def test_rejections(doc, binary, message):
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(Refusal) as e:
         parse(doc, binary)
-    assert (e.value.status, e.value.message) == (400, message)
+    assert (e.value.kind, e.value.message) == (Kind.INVALID, message)
 
 
 def test_dimensions_outside_the_profile_are_refused():
@@ -77,7 +78,7 @@ def test_dimensions_outside_the_profile_are_refused():
                        for i in inputs()["inputs"]]}
     specs = [TensorSpec(s.name, s.datatype, (-1, -1)) for s in INPUTS]
     header = json.dumps(wide).encode()
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(Refusal) as e:
         parse_infer_request(header, None, specs, OUTPUTS,
                             {"half": ShapeRange((1, 1), (4, 2), (8, 2))})
     assert e.value.message == ("input 'half' has shape [1, 3] but the engine's profile allows "
@@ -104,14 +105,14 @@ def test_binary_output_default_and_per_output_override():
     (b'{"inputs": "\xff"}', "the request body is not UTF-8 JSON"),
 ])
 def test_malformed_json_of_every_kind_is_a_400(body, message):
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(Refusal) as e:
         parse_infer_request(body, None, INPUTS, OUTPUTS)
-    assert e.value.status == 400 and e.value.message.startswith(message)
+    assert e.value.kind is Kind.INVALID and e.value.message.startswith(message)
 
 
 @pytest.mark.parametrize("datatype", [["FP16"], {"a": 1}, 16, None, True])
 def test_a_datatype_that_is_not_a_string_is_a_400(datatype):
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(Refusal) as e:
         parse(inputs(half={"datatype": datatype}))
     assert e.value.message.startswith("input 'half': 'datatype' must be a string such as FP16")
 
@@ -120,7 +121,7 @@ def test_client_values_are_echoed_shortened():
     name = "x" * 1_000_000
     for doc in (inputs(half={"name": name}), {**inputs(), "outputs": [{"name": name}]},
                 inputs(half={"shape": [1] * 100_000})):
-        with pytest.raises(ProtocolError) as e:
+        with pytest.raises(Refusal) as e:
             parse(doc)
         assert len(e.value.message) < 300, e.value.message[:100]
 
@@ -138,7 +139,7 @@ def test_non_finite_floats_as_proto3_json_strings_both_ways():
 
 
 def test_request_bytes_bound():
-    from kiln.runtime.protocol import request_bytes_bound
+    from kiln.runtime.serving.protocol import request_bytes_bound
     fixed = [TensorSpec("x", "FP32", (-1, 3, 2))]
     assert request_bytes_bound(fixed, {}, 8) == 64 * 1024 + 8 * 6 * 64
     assert request_bytes_bound(fixed, {}, None) is None  # a batch without a bound
@@ -152,7 +153,7 @@ def test_request_bytes_bound():
 
 def _stdlib_response(request, results) -> bytes:
     """What Kiln answered before orjson: tolist() and json.dumps."""
-    from kiln.runtime.protocol import json_values
+    from kiln.runtime.serving.protocol import json_values
     doc = {"model_name": "m", "model_version": "1",
            "outputs": [{"name": o.name, "datatype": "FP32" if results[o.name].dtype == np.float32
                         else "FP64", "shape": list(results[o.name].shape),
@@ -191,7 +192,7 @@ def test_non_finite_outputs_still_use_the_proto3_strings():
 def test_an_integer_literal_beyond_64_bits_in_float_data_is_still_refused(literal):
     # orjson reads it as a float; the standard library kept the int, which numpy cannot hold.
     body = json.dumps(inputs()).replace("[0.5, 1.5]", f"[0.5, {literal}]").encode()
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(Refusal) as e:
         parse_infer_request(body, None, INPUTS, OUTPUTS)
     assert e.value.message == "input 'half': 'data' must hold numbers for FP16"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.resultcache import MIB, ResultCache, ResultCacheConfig, input_digest
+from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.scheduling.resultcache import MIB, ResultCache, ResultCacheConfig, input_digest
 
 
 class FakeClock:

@@ -16,10 +16,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.runtime.backends import get_backend
-from kiln.runtime.backends.base import BackendError, BuildOptions, ShapeRange
-from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.scheduler import (UNHEALTHY_AFTER, ExecutionFailed, InvalidBatch, Overloaded,
+from kiln.runtime.engine.backends import get_backend
+from kiln.runtime.engine.backends.base import BackendError, BuildOptions, ShapeRange
+from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.scheduling.scheduler import (UNHEALTHY_AFTER, ExecutionFailed, InvalidBatch, Overloaded,
                                     Scheduler, ShuttingDown)
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,7 +1,7 @@
 """Stateful sequences (issue 13): state in, state out, kept outside the engine and the pod.
 
 Three layers, each against real pieces:
-- the core (runtime/sequences.py) with a numpy RNN as the engine, a MemoryStore and a
+- the core (runtime/serving/sequences/manager.py) with a numpy RNN as the engine, a MemoryStore and a
   clock the test advances: expiry, isolation, bounds, races, corruption, engine keys;
 - the store: a real `redis-server` on loopback (Debian's, `make redis`), its Lua
   compare-and-set, its own TTL, and what a store that is down answers;
@@ -30,9 +30,10 @@ from sequence_models import (AR_STATES, RNN_STATES, RedisServer,  # noqa: E402
                              autoregressive_model, redis_server_binary, reference_autoregressive,
                              rnn_model)
 
-from kiln.runtime import sequences as sq  # noqa: E402
-from kiln.runtime.backends.base import TensorSpec  # noqa: E402
-from kiln.runtime.protocol import decode_infer_response  # noqa: E402
+from kiln.runtime.serving.refusals import Kind  # noqa: E402
+from kiln.runtime.serving.sequences import manager as sq  # noqa: E402
+from kiln.runtime.engine.backends.base import TensorSpec  # noqa: E402
+from kiln.runtime.serving.protocol import decode_infer_response  # noqa: E402
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="needs redis-server (make redis)")
@@ -160,7 +161,7 @@ def test_sequence_parameters(raw, want):
 def test_bad_sequence_parameters_are_400(raw, fragment):
     with pytest.raises(sq.SequenceError) as e:
         sq.parse_parameters(raw)
-    assert e.value.status == 400 and fragment in e.value.message
+    assert e.value.kind is Kind.INVALID and fragment in e.value.message
 
 
 def test_tenant_is_the_header_else_the_token():
@@ -176,7 +177,7 @@ def test_tenant_is_the_header_else_the_token():
 def tenant_refusal(pairs) -> str:
     with pytest.raises(sq.SequenceError) as e:
         sq.tenant_of(pairs)
-    assert e.value.status == 400
+    assert e.value.kind is Kind.INVALID
     return e.value.message
 
 
@@ -246,7 +247,7 @@ async def test_a_sequence_steps_and_ends():
     assert all(np.array_equal(a, b) for a, b in zip(got, reference(5)))
     assert m.live_sequences == 0  # ended
     e = await refused(m.step(x(5), params(1)))
-    assert e.status == 404 and "no such sequence '1'" in e.message
+    assert e.kind is Kind.NOT_FOUND and "no such sequence '1'" in e.message
 
 
 async def test_state_is_not_the_clients_and_start_twice_is_400():
@@ -254,9 +255,9 @@ async def test_state_is_not_the_clients_and_start_twice_is_400():
     out = await m.step(x(0), params("s", start=True))
     assert set(out) == {"y"}  # the state output stays inside
     e = await refused(m.step(x(0), params("s", start=True)))
-    assert e.status == 400 and "already live" in e.message
+    assert e.kind is Kind.INVALID and "already live" in e.message
     e = await refused(m.step(x(0), {}))
-    assert e.status == 400 and "needs parameters.sequence_id" in e.message
+    assert e.kind is Kind.INVALID and "needs parameters.sequence_id" in e.message
 
 
 async def test_idle_sequences_expire_by_the_clock():
@@ -270,14 +271,14 @@ async def test_idle_sequences_expire_by_the_clock():
     clock.now += 61
     assert m.sweep() == 1 and m.live_sequences == 0
     e = await refused(m.step(x(3), params(9)))
-    assert e.status == 404 and "idle past idleTimeoutSeconds (60 s)" in e.message
+    assert e.kind is Kind.NOT_FOUND and "idle past idleTimeoutSeconds (60 s)" in e.message
 
 
 async def test_tenants_are_isolated():
     m = manager()
     await m.step(x(0), params(5, start=True), tenant="h:alice")
     e = await refused(m.step(x(1), params(5), tenant="h:mallory"))
-    assert e.status == 404  # as if it did not exist
+    assert e.kind is Kind.NOT_FOUND  # as if it did not exist
     await m.step(x(0), params(5, start=True), tenant="h:mallory")  # the same id is hers too
     a = await m.step(x(1), params(5), tenant="h:alice")
     assert np.array_equal(a["y"], reference(2)[1])
@@ -288,19 +289,19 @@ async def test_bounds_in_memory_are_429_with_the_reason():
     for s in (1, 2):
         await m.step(x(0), params(s, start=True))
     e = await refused(m.step(x(0), params(3, start=True)))
-    assert e.status == 429 and "maxLiveSequences (2)" in e.message and e.retry_after
+    assert e.kind is Kind.OVERLOADED and "maxLiveSequences (2)" in e.message and e.retry_after
     await m.step(x(1), params(1, end=True))
     await m.step(x(0), params(3, start=True))  # room again
 
     per = manager(maxBytesPerSequence=8, maxBytesTotal=100)
     e = await refused(per.step(x(0), params(1, start=True)))
-    assert e.status == 429 and "24 bytes, over maxBytesPerSequence (8)" in e.message
+    assert e.kind is Kind.OVERLOADED and "24 bytes, over maxBytesPerSequence (8)" in e.message
 
     total = manager(maxBytesPerSequence=24, maxBytesTotal=48)
     await total.step(x(0), params(1, start=True))
     await total.step(x(0), params(2, start=True))
     e = await refused(total.step(x(0), params(3, start=True)))
-    assert e.status == 429 and "over maxBytesTotal (48)" in e.message
+    assert e.kind is Kind.OVERLOADED and "over maxBytesTotal (48)" in e.message
     assert total.live_bytes == 48
 
 
@@ -335,7 +336,7 @@ async def test_a_state_from_another_engine_is_refused():
     store = sq.MemoryStore()
     await manager(store, engine_key="v1").step(x(0), params(1, start=True))
     e = await refused(manager(store, engine_key="v2").step(x(1), params(1)))
-    assert e.status == 409 and "started on engine v1" in e.message and "serves engine v2" in e.message
+    assert e.kind is Kind.CONFLICT and "started on engine v1" in e.message and "serves engine v2" in e.message
 
 
 async def test_a_store_that_is_down_is_503_and_the_state_stays_whole():
@@ -344,7 +345,7 @@ async def test_a_store_that_is_down_is_503_and_the_state_stays_whole():
     await run_steps(m, 1, 0, 3)
     store.down = True
     e = await refused(m.step(x(3), params(1)))
-    assert e.status == 503 and e.retry_after and "stateless requests are unaffected" in e.message
+    assert e.kind is Kind.UNAVAILABLE and e.retry_after and "stateless requests are unaffected" in e.message
     store.down = False
     got = await run_steps(m, 1, 3, 5, start=False)  # the failed step left no trace
     assert all(np.array_equal(a, b) for a, b in zip(got, reference(5)[3:]))
@@ -357,7 +358,7 @@ async def test_a_corrupt_state_is_an_error_not_data():
     blob, expires = store._data[key]
     store._data[key] = (blob[:-1] + bytes([blob[-1] ^ 0xFF]), expires)
     e = await refused(manager(store).step(x(1), params(1)))
-    assert e.status == 500 and "corrupt" in e.message and "discarded" in e.message
+    assert e.kind is Kind.FAILED and "corrupt" in e.message and "discarded" in e.message
     assert len(store) == 0
 
 
@@ -372,17 +373,17 @@ async def test_a_state_of_the_wrong_shape_is_refused_and_discarded():
                                           {"h": np.zeros((1, 8), np.float32)}), "rnn")
     await store.put(key, blob, None, 60_000)
     e = await refused(m.step(x(1), params("bad")))
-    assert (e.status, e.message) == (409, (
+    assert (e.kind, e.message) == (Kind.CONFLICT, (
         "the stored state of sequence 'bad' does not fit this model's state inputs: 'h' has "
         "shape [1, 8], the model's input is FP32 [1, 6]; it was discarded, not used: start "
         "the sequence again"))
     assert len(store) == 0 and engine.calls == 0
     e = await refused(m.step(x(1), params("bad")))
-    assert e.status == 404  # gone: a retry does not meet it again
+    assert e.kind is Kind.NOT_FOUND  # gone: a retry does not meet it again
     await store.put(key, sq.encode_state(sq.StoredState(
         "key-1", 1, "0123456789abcdef", {"h": np.zeros((1, H), np.int64)}), "rnn"), None, 60_000)
     e = await refused(m.step(x(1), params("bad")))
-    assert e.status == 409 and "'h' is INT64, the model's input is FP32 [1, 6]" in e.message
+    assert e.kind is Kind.CONFLICT and "'h' is INT64, the model's input is FP32 [1, 6]" in e.message
     assert len(store) == 0 and engine.calls == 0
 
 
@@ -401,7 +402,7 @@ async def test_close_refuses_new_steps():
     await m.step(x(0), params(1, start=True))
     await m.close(1.0)
     e = await refused(m.step(x(1), params(1)))
-    assert e.status == 503
+    assert e.kind is Kind.UNAVAILABLE
 
 
 # ------------------------------------------------------------------ the real Redis
@@ -460,7 +461,7 @@ async def test_redis_keys_ttl_and_real_expiry(redis_server):
         await asyncio.sleep(1.2)  # the one real wait: Redis's TTL, not ours
         other = manager(store, Clock(), idleTimeoutSeconds=1)
         e = await refused(other.step(x(1), params("exp"), tenant="h:acme"))
-        assert e.status == 404
+        assert e.kind is Kind.NOT_FOUND
     finally:
         await store.close()
 
@@ -477,7 +478,7 @@ async def test_the_password_comes_from_the_environment(tmp_path):
         await good.close()
         bad = sq.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "wrong"})
         e = await refused(manager(bad).step(x(0), params(1, start=True)))
-        assert e.status == 503 and "refused the credentials" in e.message
+        assert e.kind is Kind.UNAVAILABLE and "refused the credentials" in e.message
         assert "s3cret-pw" not in e.message and "wrong" not in e.message
         await bad.close()
     finally:
@@ -493,13 +494,13 @@ async def test_redis_down_is_503_within_the_timeout(redis_server):
         redis_server.stop()
         started = time.monotonic()
         e = await refused(m.step(x(2), params(1)))
-        assert e.status == 503 and redis_server.address in e.message
+        assert e.kind is Kind.UNAVAILABLE and redis_server.address in e.message
         assert time.monotonic() - started < 2
         e = await refused(m.step(x(0), params(2, start=True)))
-        assert e.status == 503
+        assert e.kind is Kind.UNAVAILABLE
         redis_server.start()  # same port, empty: the sequence is gone, cleanly
         e = await refused(m.step(x(2), params(1)))
-        assert e.status == 404
+        assert e.kind is Kind.NOT_FOUND
     finally:
         await store.close()
 
@@ -507,7 +508,7 @@ async def test_redis_down_is_503_within_the_timeout(redis_server):
 # ------------------------------------------------------------------ the server, real models
 
 def build(root: Path, name: str, onnx_bytes: bytes, states=None):
-    from kiln.runtime.build import BuildRequest, build_engine
+    from kiln.runtime.engine.build import BuildRequest, build_engine
 
     (root / f"{name}.onnx").write_bytes(onnx_bytes)
     request = BuildRequest.from_dict({
@@ -526,7 +527,7 @@ def engines(tmp_path_factory):
 
 
 def test_kiln_build_checks_the_pairs(tmp_path):
-    from kiln.runtime.errors import BadRequest
+    from kiln.runtime.api.errors import BadRequest
 
     with pytest.raises(BadRequest) as e:
         build(tmp_path, "ar", autoregressive_model(), [{"input": "past", "output": "logits"}])
@@ -540,9 +541,9 @@ class Served:
     """One model on an InferenceServer (HTTP and gRPC) on its own loop in a thread."""
 
     def __init__(self, root: Path, name: str, rel: str, runtime: dict):
-        from kiln.runtime.metrics import ServerMetrics
-        from kiln.runtime.model import ServedModel
-        from kiln.runtime.server import InferenceServer
+        from kiln.runtime.serving.metrics import ServerMetrics
+        from kiln.runtime.serving.model import ServedModel
+        from kiln.runtime.serving.rest.server import InferenceServer
 
         self.name = name
         self.loop = asyncio.new_event_loop()
@@ -734,8 +735,8 @@ def test_the_models_declared_initial_state_starts_the_sequence(tmp_path):
 def test_a_mismatched_pair_keeps_the_pod_alive_and_not_ready(engines):
     root, rels = engines
     runtime = {"sequences": {"states": [{"input": "h", "output": "y"}]}}
-    from kiln.runtime.metrics import ServerMetrics
-    from kiln.runtime.model import ServedModel
+    from kiln.runtime.serving.metrics import ServerMetrics
+    from kiln.runtime.serving.model import ServedModel
 
     model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, runtime,
                         ServerMetrics(), target="cpu")
@@ -795,7 +796,7 @@ def grpc_step(address: str, name: str, x, parameters: dict, metadata=()):
     tritonclient's dict of headers cannot): (code, details)."""
     import grpc
 
-    from kiln.runtime import grpc_service_pb2 as pb
+    from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 
     request = pb.ModelInferRequest(model_name=name)
     for k, v in parameters.items():

@@ -30,13 +30,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.runtime.build import BuildRequest, build_engine
-from kiln.runtime.connections import ConnectionLimits
-from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.model import ServedModel
-from kiln.runtime.protocol import (HEADER_LENGTH, decode_infer_response,
+from kiln.runtime.engine.build import BuildRequest, build_engine
+from kiln.runtime.serving.rest.connections import ConnectionLimits
+from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.model import ServedModel
+from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
                                    encode_infer_request)
-from kiln.runtime.server import InferenceServer
+from kiln.runtime.serving.rest.server import InferenceServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -650,7 +650,7 @@ def test_kiln_serve_rejects_a_bad_event_loop(tmp_path):
 
 
 def test_event_loop_choice(monkeypatch):
-    from kiln.runtime.server import event_loop_choice, run_event_loop
+    from kiln.runtime.serving.process import event_loop_choice, run_event_loop
     monkeypatch.setenv("KILN_EVENT_LOOP", "asyncio")
     assert event_loop_choice() == "asyncio"
     monkeypatch.delenv("KILN_EVENT_LOOP")

@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from kiln.runtime.backends import get_backend
-from kiln.runtime.backends import tensorrt as trt_backend
-from kiln.runtime.backends.base import (BackendError, BuildOptions, InvalidModelError,
+from kiln.runtime.engine.backends import get_backend
+from kiln.runtime.engine.backends import tensorrt as trt_backend
+from kiln.runtime.engine.backends.base import (BackendError, BuildOptions, InvalidModelError,
                                         InvalidProfileError, ShapeRange, UnsupportedError)
 
 lean = pytest.importorskip("tensorrt_lean_bindings",

@@ -17,10 +17,10 @@ import math
 import numpy as np
 import pytest
 
-from kiln.runtime.backends.base import BackendError
-from kiln.runtime.backends.tensorrt import TRT_DATATYPES, TensorRTBackend
-from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.engine.backends.base import BackendError
+from kiln.runtime.engine.backends.tensorrt import TRT_DATATYPES, TensorRTBackend
+from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.scheduling.scheduler import Scheduler
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ pytest.importorskip("tensorrt_lean_bindings",
 pytest.importorskip("mypy", reason="needs mypy (requirements-test.txt)")
 
 REPO = Path(__file__).resolve().parents[2]
-BACKEND = REPO / "runtime" / "backends" / "tensorrt.py"
+BACKEND = REPO / "runtime" / "engine" / "backends" / "tensorrt.py"
 STUBGEN = Path(sys.executable).parent / "pybind11-stubgen"
 
 MYPY_CONFIG = """\
@@ -79,7 +79,7 @@ def workdir(tmp_path_factory):
         fixed = _fix_stub(stub.read_text())
         ast.parse(fixed, str(stub))
         stub.write_text(fixed)
-    # The backend is `kiln.runtime.backends.tensorrt`, mapped from runtime/ by pyproject's
+    # The backend is `kiln.runtime.engine.backends.tensorrt`, mapped from runtime/ by pyproject's
     # package-dir, which mypy does not read: rebuild that layout for it.
     src = root / "src"
     (src / "kiln").mkdir(parents=True)
@@ -99,7 +99,7 @@ def _mypy(workdir: Path, *targets: str) -> subprocess.CompletedProcess:
 
 
 def test_runtime_half_type_checks_against_the_lean_bindings(workdir):
-    proc = _mypy(workdir, "-m", "kiln.runtime.backends.tensorrt")
+    proc = _mypy(workdir, "-m", "kiln.runtime.engine.backends.tensorrt")
     assert proc.returncode == 0, f"mypy:\n{proc.stdout}{proc.stderr}"
 
 

@@ -1,0 +1,133 @@
+"""Build one engine and publish it into the cache (what a build Job runs).
+
+    kiln build --request '{"namespace": "ml", "name": "resnet", "model": {...},
+                           "engine": {...}, "target": "sm90", "key": "..."}'
+
+Computes the engine key from the model, engine settings, target and the backend version
+this builder really has; refuses to build when the request names a different key; on a
+cache hit reports the existing entry without building; otherwise fetches the ONNX
+model, checks its pinned sha256, builds and publishes atomically; then loads the engine
+once as a runtime pod would (`loadSeconds`). An existing entry that is corrupt (it fails
+the cache's checks or does not load) is moved aside and the engine built again; what a
+killed build of the same key left behind is removed first. Progress goes to stderr; the
+result, as JSON under 4 KiB, to the termination log, where the operator reads it:
+{"ok": true, "key", "target", "path", "sha256", "sizeBytes", "buildSeconds",
+"loadSeconds", "cacheHit", "backend", "backendVersion"[, "quarantined": {"path",
+"reason"}]} or {"ok": false, "reason", "message"}.
+
+Exit codes (reason):
+  0  built, or already in the cache
+  1  BuildFailed: any other failure (for example the backend's builder refused)
+  2  BadRequest: malformed request or flags, profiles that do not fit the model, a
+     file:// or plain-path model URI (only `kiln dev` reads local files)
+  3  SourceUnreachable: the model URI cannot be read (network, missing file, too big)
+  4  DigestMismatch: the model's sha256 differs from model.sha256
+  5  InvalidModel: not a valid ONNX model
+  6  Unsupported: the backend, precision or target cannot work on this builder (or the
+     runtime extra is not installed: the message names the missing module)
+  7  OutOfDisk: no space left while downloading or publishing
+  8  KeyMismatch: the request's key is not what this builder computes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kiln.runtime.api.contract import CACHE_DIR as DEFAULT_CACHE_DIR
+from kiln.runtime.api.contract import PVC_ROOT as DEFAULT_PVC_ROOT
+from kiln.runtime.api.contract import TERMINATION_LOG as DEFAULT_TERMINATION_LOG
+from kiln.runtime.api.errors import BadRequest, BuildError, Unsupported
+
+TERMINATION_LOG_LIMIT = 4096  # Kubernetes keeps at most 4 KiB of a termination message
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--request", metavar="JSON", help="the build request as JSON")
+    source.add_argument("--request-file", metavar="PATH", help="a file holding the request JSON")
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR",
+                        help=f"engine cache root (default {DEFAULT_CACHE_DIR})")
+    parser.add_argument("--pvc-root", default=DEFAULT_PVC_ROOT, metavar="DIR",
+                        help=f"where pvc://<claim>/ volumes are mounted (default {DEFAULT_PVC_ROOT})")
+    parser.add_argument("--termination-log", default=None, metavar="PATH",
+                        help=f"where to write the result JSON (default {DEFAULT_TERMINATION_LOG} "
+                             f"when writable)")
+
+
+def stderr_log(message: str) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    print(f"{now[:-4]}Z kiln build: {message}", file=sys.stderr, flush=True)
+
+
+def _termination_log(path: str | None) -> Path | None:
+    if path:
+        return Path(path)
+    default = Path(DEFAULT_TERMINATION_LOG)
+    return default if os.access(default, os.W_OK) else None
+
+
+def result_json(result: dict[str, Any]) -> str:
+    """The termination message, shortened to fit Kubernetes' 4 KiB."""
+    text = json.dumps(result, separators=(",", ":"))
+    while len(text.encode()) > TERMINATION_LOG_LIMIT and result.get("message"):
+        message = result["message"]
+        result = {**result, "message": message[: max(0, len(message) - 256)] + "…"}
+        if len(result["message"]) <= 1:
+            result["message"] = ""
+        text = json.dumps(result, separators=(",", ":"))
+    return text
+
+
+def _write_result(path: Path | None, result: dict[str, Any]) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(result_json(result))
+    except OSError as e:
+        stderr_log(f"cannot write the termination log {path}: {e}")
+
+
+def _failed(term: Path | None, e: BuildError) -> int:
+    stderr_log(f"failed ({e.reason}): {e}")
+    _write_result(term, {"ok": False, "reason": e.reason, "message": str(e)})
+    return e.exit_code
+
+
+def run(args: argparse.Namespace) -> int:
+    term = _termination_log(args.termination_log)
+    try:
+        try:
+            text = (Path(args.request_file).read_text() if args.request_file
+                    else args.request)
+        except OSError as e:
+            raise BadRequest(f"cannot read the request file: {e}") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"the request is not valid JSON: {e}") from None
+        from kiln.runtime.engine.build import BuildRequest, build_engine
+
+        request = BuildRequest.from_dict(raw)
+        result = build_engine(request, args.cache_dir, pvc_root=args.pvc_root, log=stderr_log)
+    except BuildError as e:
+        return _failed(term, e)
+    except Exception as e:  # anything unforeseen still leaves a readable reason for the Job
+        from kiln.cli import missing_extra
+
+        if missing_extra("build", e):  # e.g. no onnxruntime: the runtime extra is not installed
+            return _failed(term, Unsupported(missing_extra("build", e)))
+        stderr_log(f"failed: {type(e).__name__}: {e}")
+        _write_result(term, {"ok": False, "reason": BuildError.reason,
+                             "message": f"{type(e).__name__}: {e}"})
+        return BuildError.exit_code
+    payload = result.to_dict()
+    _write_result(term, payload)
+    print(json.dumps(payload), flush=True)
+    return 0

@@ -1,0 +1,178 @@
+"""Serve a cached engine over the Open Inference Protocol (what a runtime pod runs).
+
+The operator's Deployment passes one --engine per target it built for; the pod picks the
+entry for its own GPU (or a cpu entry), verifies its sha256 against the cache manifest,
+loads and warms it up, and only then reports ready. Liveness answers from the start.
+SIGTERM: readiness false, in-flight requests finish (up to --drain-seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from kiln.runtime.api.contract import API_VERSION, CACHE_DIR as DEFAULT_CACHE_DIR, KIND, SERVICE_PORT as DEFAULT_PORT
+from kiln.runtime.api.contract import GRPC_PORT as DEFAULT_GRPC_PORT
+from kiln.runtime.api.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
+DEFAULT_DRAIN_SECONDS = 30.0
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as server.DEFAULT_MAX_BODY_BYTES
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-name", required=True,
+                        help="the name clients use in /v2/models/{name}")
+    parser.add_argument("--model-version", default="1",
+                        help="the version reported in metadata and kiln_model_info")
+    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                        help="where the engine cache is mounted (default %(default)s)")
+    parser.add_argument("--engine", action="append", required=True, metavar="TARGET=RELPATH",
+                        help="an engine entry for a target, relative to --cache-dir, e.g. "
+                             "sm90=default/resnet/3f2a…; repeat for each target")
+    parser.add_argument("--runtime-spec", default="{}", metavar="JSON",
+                        help="spec.runtime of the InferenceModel as JSON (batching, "
+                             "contexts, result cache); defaults are applied")
+    parser.add_argument("--host", default=os.environ.get("KILN_SERVE_HOST") or "0.0.0.0",
+                        help="address to listen on (default $KILN_SERVE_HOST, else 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
+    add_grpc_flags(parser)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get 413 (default %(default)s)")
+    parser.add_argument("--body-timeout-seconds", type=float, default=60.0,
+                        help="a request body must arrive within this, else 408 "
+                             "(default %(default)s)")
+    parser.add_argument("--header-timeout-seconds", type=float, default=10.0,
+                        help="a request's line and headers must arrive within this, else "
+                             "the connection is closed (default %(default)s)")
+    parser.add_argument("--keepalive-timeout-seconds", type=float, default=75.0,
+                        help="an idle keep-alive connection is closed after this "
+                             "(default %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=1000,
+                        help="open connections at most; at the cap the oldest idle one is "
+                             "closed, else a new one gets 503 (default %(default)s, lowered "
+                             "to fit the open-file limit)")
+    parser.add_argument("--drain-seconds", type=float, default=DEFAULT_DRAIN_SECONDS,
+                        help="how long SIGTERM waits for in-flight requests "
+                             "(default %(default)s)")
+    parser.add_argument("--load-timeout-seconds", type=float,
+                        default=DEFAULT_LOAD_TIMEOUT_SECONDS,
+                        help="how long the engine load (read, verify, deserialize, warm-up) "
+                             "may take before the model fails, not ready, with the reason "
+                             "(default %(default)s)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--workers", default=os.environ.get("KILN_WORKERS"), metavar="N|auto",
+                        help="front-end processes parsing HTTP in parallel before the one engine "
+                             "(1: a single process); default: KILN_WORKERS, else "
+                             "spec.runtime.frontendWorkers, else auto (the CPU limit less one, "
+                             "1 below 3 CPUs)")
+
+
+def add_grpc_flags(parser: argparse.ArgumentParser, default: int = DEFAULT_GRPC_PORT) -> None:
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help=f"the gRPC endpoint's port (inference.GRPCInferenceService), on the "
+                             f"same host; 0 picks a free one (default {default}, or a free one "
+                             f"when --port is 0)")
+    parser.add_argument("--no-grpc", dest="grpc", action="store_false",
+                        help="serve HTTP only")
+
+
+def grpc_port(args: argparse.Namespace, default: int = DEFAULT_GRPC_PORT) -> int | None:
+    """--grpc-port checked, or None with --no-grpc. Raises ValueError; ImportError (which
+    names the runtime extra) when grpcio is not installed."""
+    if not args.grpc:
+        return None
+    port = args.grpc_port
+    if port is None:
+        port = 0 if args.port == 0 else default
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--grpc-port must be 0..65535, got {port}")
+    if port == args.port != 0:
+        raise ValueError(f"--grpc-port and --port are both {port}")
+    import kiln.runtime.serving.grpc.endpoint  # noqa: F401  (grpcio, protobuf: fail now, not once serving)
+
+    return port
+
+
+def runtime_spec_with_defaults(text: str, model_name: str) -> dict:
+    """`--runtime-spec` JSON -> spec.runtime with the CRD's defaults applied.
+
+    The API server applied them already; applying them again costs nothing and keeps a
+    hand-written Deployment (or an older operator) from running without them.
+    """
+    import json
+
+    from kiln.runtime.api import spec
+
+    try:
+        runtime = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--runtime-spec is not valid JSON: {e}") from None
+    if not isinstance(runtime, dict):
+        raise ValueError("--runtime-spec must be a JSON object (spec.runtime)")
+    obj = {"apiVersion": API_VERSION, "kind": KIND,
+           "metadata": {"name": model_name}, "spec": {"runtime": runtime}}
+    return dict(spec.apply_defaults(obj).get("spec", {}).get("runtime") or runtime)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.runtime.serving.rest.connections import ConnectionLimits
+    from kiln.runtime.serving.workers.front_end import FrontEndConfig
+    from kiln.runtime.serving.workers.supervisor import FrontEnds, cpu_limit, parse_workers
+    from kiln.runtime.serving.metrics import ServerMetrics
+    from kiln.runtime.serving.model import ServedModel, parse_engines
+    from kiln.runtime.serving.process import configure_logging, event_loop_choice, run_event_loop, run_until_stopped
+    from kiln.runtime.serving.rest.server import InferenceServer
+
+    configure_logging(args.log_level)
+    try:
+        engines = parse_engines(args.engine)
+        runtime = runtime_spec_with_defaults(args.runtime_spec, args.model_name)
+        event_loop = event_loop_choice()
+        if args.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be 0..65535, got {args.port}")
+        grpc = grpc_port(args)
+        for flag in ("body_timeout_seconds", "header_timeout_seconds",
+                     "keepalive_timeout_seconds", "max_connections"):
+            if not getattr(args, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got "
+                                 f"{getattr(args, flag)}")
+        limits = ConnectionLimits(max_connections=args.max_connections,
+                                  header_timeout=args.header_timeout_seconds,
+                                  keepalive_timeout=args.keepalive_timeout_seconds)
+        workers = parse_workers(args.workers if args.workers is not None
+                                else runtime.get("frontendWorkers"), cpu_limit())
+        if not (math.isfinite(args.load_timeout_seconds) and args.load_timeout_seconds > 0):
+            raise ValueError(f"--load-timeout-seconds must be a positive number, "
+                             f"got {args.load_timeout_seconds:g}")
+    except ValueError as e:
+        print(f"kiln serve: {e}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        metrics = ServerMetrics()
+        model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
+                            runtime, metrics, load_timeout=args.load_timeout_seconds)
+        server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
+                                 body_timeout=args.body_timeout_seconds, limits=limits)
+        front_ends = None
+        if workers > 1:
+            front_ends = FrontEnds(workers, args.host, args.port, lambda index, hub, port: FrontEndConfig(
+                index=index, hub_path=hub, host=args.host, port=port, model_names=(model.name,),
+                max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout_seconds,
+                limits=limits, drain_seconds=args.drain_seconds, log_level=args.log_level,
+                event_loop=event_loop))
+        await run_until_stopped(server, args.host, args.port, args.drain_seconds,
+                                grpc_port=grpc, front_ends=front_ends)
+
+    try:
+        run_event_loop(main(), event_loop)
+    except OSError as e:  # the port is taken, the address is not this host's
+        ports = args.port if grpc is None else f"{args.port} (gRPC {grpc})"
+        print(f"kiln serve: cannot listen on {args.host}:{ports}: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    return 0

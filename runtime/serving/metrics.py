@@ -1,0 +1,80 @@
+"""Every Prometheus metric the runtime exports, in one place.
+
+Each server owns a `ServerMetrics` bound to its own registry, so several servers can run
+in one process (tests, benchmarks) without colliding. Names and labels follow Prometheus
+conventions: base units (seconds, bytes, ratios), `_total` on counters, `model` on all.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kiln_requests", "Inference requests by outcome "
+            "(success, bad_request, overloaded, unavailable, error, cancelled).",
+            ["model", "outcome"], registry=r)
+        self.request_seconds = Histogram(
+            "kiln_request_duration_seconds", "Inference request latency, receipt to response.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram(
+            "kiln_queue_duration_seconds", "Time a request waited in the batching queue.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram(
+            "kiln_execution_duration_seconds", "Time one batch spent in the engine.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "kiln_batch_size", "Rows per executed batch.", ["model"],
+            buckets=BATCH_BUCKETS, registry=r)
+        self.engine_busy_seconds = Counter(
+            "kiln_engine_busy_seconds", "Seconds the execution contexts spent executing, divided "
+            "by their number: the rate is the fraction of engine capacity in use (0..1) on every "
+            "backend, the autoscaler's signal where no GPU metric exists.",
+            ["model", "version"], registry=r)
+        self.executions = Counter(
+            "kiln_executions", "Batch executions by outcome (success, retried, failed, refused).",
+            ["model", "outcome"], registry=r)
+        self.context_recreations = Counter(
+            "kiln_context_recreations", "Execution contexts recreated after a failure.",
+            ["model"], registry=r)
+        self.context_recovery_seconds = Histogram(
+            "kiln_context_recovery_seconds", "From a failed execution to its successful retry "
+            "on a recreated context (no engine reload).", ["model"], buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.inflight = Gauge(
+            "kiln_inflight_requests", "Requests accepted and not yet answered.",
+            ["model"], registry=r)
+        self.queue_depth = Gauge(
+            "kiln_queue_depth", "Requests waiting in the batching queue.", ["model"], registry=r)
+        self.result_cache = Counter(
+            "kiln_result_cache_requests", "Result cache lookups by result (hit, miss).",
+            ["model", "result"], registry=r)
+        self.result_cache_evictions = Counter(
+            "kiln_result_cache_evictions", "Result cache entries evicted (size or TTL).",
+            ["model"], registry=r)
+        self.result_cache_bytes = Gauge(
+            "kiln_result_cache_bytes", "Bytes held by the result cache.", ["model"], registry=r)
+        self.sequences_live = Gauge(
+            "kiln_sequences_live", "Stateful sequences whose state this replica holds in "
+            "memory (spec.runtime.sequences).", ["model"], registry=r)
+        self.sequence_state_bytes = Gauge(
+            "kiln_sequence_state_bytes", "Bytes of sequence state this replica holds in memory.",
+            ["model"], registry=r)
+        self.engine_load_seconds = Gauge(
+            "kiln_engine_load_seconds", "Engine load time by stage "
+            "(read, verify, deserialize, warmup).", ["model", "stage"], registry=r)
+        self.model_ready = Gauge(
+            "kiln_model_ready", "1 when the model answers inference, else 0.", ["model"],
+            registry=r)
+        self.model_info = Gauge(
+            "kiln_model_info", "Constant 1, labelled with what the pod serves.",
+            ["model", "version", "engine_key", "backend", "target"], registry=r)
+        # GPU utilization and memory come from NVML at scrape time (runtime/engine/gpu.py registers
+        # its collector on this registry when a GPU is present; absent otherwise).

@@ -1,0 +1,451 @@
+"""The served model: pick this pod's engine, verify it, load it, warm it up, then be ready.
+
+`ServedModel.load()` runs in a background task after the HTTP server is listening, so
+liveness answers during a long load and readiness stays false until warm-up is done. A
+load failure (no engine for this GPU, an integrity error, a backend error) keeps the model
+not-ready with its message in `error`, logged once; the pod never crash-loops on it.
+The whole load has a deadline (`load_timeout`): a read that blocks on a hung volume ends
+as a failure that says so, and the pod's startup probe restarts it. Blocking steps run on
+daemon threads, so a read that never returns cannot keep a stopping process alive.
+
+Stages, each recorded in `kiln_engine_load_seconds{stage}`:
+    read         the engine file from the cache (the PVC)
+    verify       size and sha256 against manifest.json, before anything is deserialized
+    deserialize  the backend turns the bytes into a loaded engine
+    warmup       the scheduler starts its execution contexts and runs one batch at the
+                 profiles' optimal shapes (batch 1 for dynamic dimensions without a profile)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from kiln.runtime.engine.backends.base import DATATYPES, ShapeRange, TensorSpec
+from kiln.runtime.api.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
+from kiln.runtime.api.enginekey import CPU_TARGET, normalize_target
+from kiln.runtime.serving.metrics import ServerMetrics
+
+log = logging.getLogger("kiln.runtime.serving.model")
+
+LOADING, READY, FAILED, UNHEALTHY, STOPPED = "loading", "ready", "failed", "unhealthy", "stopped"
+
+
+class ModelLoadError(Exception):
+    """The model cannot load on this pod; the message says why and what to do."""
+
+
+def parse_engines(values: list[str] | Mapping[str, str]) -> dict[str, str]:
+    """`["sm90=ns/model/key", "cpu=..."]` (or a mapping) -> {normalized target: path}.
+
+    Raises ValueError naming the bad entry.
+    """
+    items = values.items() if isinstance(values, Mapping) else []
+    if not isinstance(values, Mapping):
+        parsed = []
+        for value in values:
+            target, sep, path = value.partition("=")
+            if not sep or not target.strip() or not path.strip():
+                raise ValueError(f"--engine {value!r}: expected TARGET=RELPATH, "
+                                 f"for example sm90=default/resnet/3f2a…")
+            parsed.append((target, path))
+        items = parsed
+    engines: dict[str, str] = {}
+    for target, path in items:
+        t = normalize_target(target)
+        path = path.strip()
+        if os.path.isabs(path) or ".." in path.split("/"):
+            raise ValueError(f"engine path {path!r} for {t} must be relative to the cache "
+                             f"directory and stay inside it")
+        if t in engines and engines[t] != path:
+            raise ValueError(f"two engines for target {t}: {engines[t]!r} and {path!r}")
+        engines[t] = path
+    if not engines:
+        raise ValueError("no engine given: pass --engine TARGET=RELPATH at least once")
+    return engines
+
+
+def pick_engine(engines: Mapping[str, str], target: str) -> tuple[str, str]:
+    """The entry for this pod's target, else a CPU entry if there is one, else an error."""
+    if target in engines:
+        return target, engines[target]
+    if CPU_TARGET in engines:
+        return CPU_TARGET, engines[CPU_TARGET]
+    where = "this pod has no GPU" if target == CPU_TARGET else f"this pod's GPU is {target}"
+    raise ModelLoadError(f"no engine for target {target} ({where}); engines exist for: "
+                         f"{', '.join(sorted(engines))}. Add {target} to spec.engine.targets "
+                         f"or schedule the pods on nodes with a matching GPU")
+
+
+def warmup_inputs(inputs: list[TensorSpec], profiles: Mapping[str, ShapeRange],
+                  max_batch: int | None = None) -> dict[str, np.ndarray]:
+    """Zero tensors at the profiles' optimal shapes; 1 for dynamic dims without a profile.
+
+    Every input with a dynamic batch dimension gets the same batch (the first profiled
+    input's optimal batch, at most `max_batch`), so the request is one consistent batch.
+    Zeros are valid for index inputs too (embeddings, gathers).
+    """
+    batch = 1
+    for spec in inputs:
+        rng = profiles.get(spec.name)
+        if rng is not None and spec.shape and spec.shape[0] < 0 and rng.opt:
+            batch = int(rng.opt[0])
+            break
+    if max_batch is not None:
+        batch = max(1, min(batch, max_batch))
+    out = {}
+    for spec in inputs:
+        rng = profiles.get(spec.name)
+        shape = []
+        for i, dim in enumerate(spec.shape):
+            if dim >= 0:
+                shape.append(dim)
+            elif i == 0:
+                shape.append(batch)
+            elif rng is not None and len(rng.opt) == len(spec.shape):
+                shape.append(int(rng.opt[i]))
+            else:
+                shape.append(1)
+        out[spec.name] = np.zeros(shape, dtype=DATATYPES[spec.datatype])
+    return out
+
+
+def _default_scheduler(engine, runtime_spec, metrics, model, engine_key, clock, version):
+    from kiln.runtime.serving.scheduling.scheduler import Scheduler
+    return Scheduler(engine, runtime_spec, metrics, model, engine_key, clock=clock, version=version)
+
+
+def _detect_target() -> str:
+    from kiln.runtime.engine.gpu import detect_target
+    return detect_target()
+
+
+def _on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run `fn(*args)` on a new daemon thread; its result comes back through a future.
+
+    Not asyncio.to_thread: the default executor's workers are joined when the loop and
+    the interpreter shut down, so one stuck in a read of a hung volume would keep a
+    SIGTERM'd process alive. A daemon thread is abandoned at exit; cancelling the future
+    abandons it sooner (its late result is dropped).
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled: the load gave up on it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+class ServedModel:
+    """One model a server answers for; the v2 dataplane talks to it, never to an engine.
+
+    `scheduler_factory(engine, runtime_spec, metrics, model, engine_key, clock, version)` builds the
+    object requests go through (the batching Scheduler by default). `reader(entry)` reads
+    and verifies an entry (`cache.read_verified` by default). `load_timeout`: seconds the
+    whole load (read, verify, deserialize, warm-up) may take before the model fails.
+    """
+
+    def __init__(self, name: str, version: str, cache_dir: str | os.PathLike,
+                 engines: Mapping[str, str], runtime_spec: Mapping[str, Any],
+                 metrics: ServerMetrics, *, target: str | None = None,
+                 scheduler_factory: Callable[..., Any] = _default_scheduler,
+                 clock: Callable[[], float] = time.monotonic,
+                 load_timeout: float = DEFAULT_LOAD_TIMEOUT_SECONDS,
+                 reader: Callable[[str], Any] | None = None):
+        if not name:
+            raise ValueError("the model needs a name")
+        if not (isinstance(load_timeout, (int, float)) and math.isfinite(load_timeout)
+                and load_timeout > 0):
+            raise ValueError(f"the load timeout must be a positive number of seconds, "
+                             f"got {load_timeout!r}")
+        self.load_timeout = float(load_timeout)
+        self._reader = reader
+        self._doing = "starting"  # what the load is doing, for the deadline's message
+        self.name = name
+        self.version = version or "1"
+        self.cache_dir = os.fspath(cache_dir)
+        self.engines = dict(engines)
+        self.runtime_spec = dict(runtime_spec)
+        self.metrics = metrics
+        self._target = target
+        self._scheduler_factory = scheduler_factory
+        self._clock = clock
+        self.state = LOADING
+        self.error: str | None = None
+        self.target: str | None = None
+        self.manifest: Any = None  # cache.Manifest once read
+        self.engine: Any = None  # the backend's LoadedEngine
+        self.scheduler: Any = None  # the Scheduler (or what scheduler_factory makes)
+        # spec.runtime.sequences: the manager once loaded (runtime/serving/sequences/manager.py), else None.
+        self.sequences: Any = None
+        self._state_tensors: frozenset[str] = frozenset()
+        self.timings: dict[str, float] = {}
+        metrics.model_ready.labels(model=name).set_function(lambda: float(self.ready))
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        if self.state not in (READY, UNHEALTHY):
+            return False
+        healthy = bool(getattr(self.scheduler, "healthy", True))
+        new_state = READY if healthy else UNHEALTHY
+        if new_state != self.state:
+            # Logged on the flip only: readiness is polled every few seconds.
+            if healthy:
+                log.info("model %s: executions succeed again; ready", self.name)
+            else:
+                log.error("model %s: repeated execution failures; not ready", self.name)
+            self.state = new_state
+        return healthy
+
+    @property
+    def serving(self) -> bool:
+        """Loaded and not stopped. An unhealthy model still takes requests: readiness keeps
+        traffic away, and the next batch that succeeds is what makes it healthy again."""
+        return self.state in (READY, UNHEALTHY) and self.scheduler is not None
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        """The inputs a client sends: a stateful model's state inputs are the server's."""
+        return [s for s in self.engine.inputs if s.name not in self._state_tensors] \
+            if self.engine is not None else []
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        """The outputs a client can ask for: not a stateful model's state outputs."""
+        return [s for s in self.engine.outputs if s.name not in self._state_tensors] \
+            if self.engine is not None else []
+
+    @property
+    def profiles(self) -> Mapping[str, ShapeRange]:
+        return dict(self.engine.profiles) if self.engine is not None else {}
+
+    @property
+    def platform(self) -> str | None:
+        return self.manifest.backend if self.manifest is not None else None
+
+    def status_message(self) -> str:
+        if self.state == LOADING:
+            return f"model '{self.name}' is loading"
+        if self.state == FAILED:
+            return f"model '{self.name}' failed to load: {self.error}"
+        if self.state == UNHEALTHY:
+            return (f"model '{self.name}' is not ready: executions are failing "
+                    f"({self.error or 'see the server log'})")
+        if self.state == STOPPED:
+            return f"model '{self.name}' is shutting down"
+        return f"model '{self.name}' is ready"
+
+    # -- load --------------------------------------------------------------------------
+
+    async def load(self) -> bool:
+        """Load and warm up; never raises (the message goes to `error` and the log)."""
+        started = self._clock()
+        try:
+            try:
+                async with asyncio.timeout(self.load_timeout) as deadline:
+                    await self._load()
+            except TimeoutError:
+                if not deadline.expired():  # a TimeoutError of the load's own (ETIMEDOUT)
+                    raise
+                raise ModelLoadError(
+                    f"the engine load did not finish within {self.load_timeout:g} s "
+                    f"({self._doing})") from None
+        except asyncio.CancelledError:
+            self.state = STOPPED
+            raise
+        except Exception as e:  # every failure keeps the pod alive and not-ready
+            self.state = FAILED
+            self.error = _describe(e)
+            log.error("model %s: load failed: %s", self.name, self.error)
+            await self._release()
+            return False
+        self.state = READY
+        log.info("model %s: ready in %.3fs (target %s, engine %s; %s)", self.name,
+                 self._clock() - started, self.target, self.manifest.key,
+                 ", ".join(f"{k} {v:.3f}s" for k, v in self.timings.items()))
+        return True
+
+    async def _load(self) -> None:
+        from kiln.runtime.engine.backends import get_backend
+
+        self._doing = "detecting this pod's GPU"
+        detected = self._target or await _on_daemon_thread("kiln-detect", _detect_target)
+        self.target, relpath = pick_engine(self.engines, normalize_target(detected))
+        entry = os.path.join(self.cache_dir, relpath)
+        log.info("model %s: loading engine %s for target %s (this pod: %s)", self.name, entry,
+                 self.target, detected)
+        self._doing = f"reading {entry}; is the cache volume hung?"
+        # isdir runs on the thread too: a stat on a hung volume blocks as a read does.
+        engine_bytes, manifest, timings = await _on_daemon_thread(
+            "kiln-engine-load", self._read, entry)
+        self.manifest = manifest
+        self._stage("read", timings.read_seconds)
+        self._stage("verify", timings.verify_seconds)
+
+        backend = get_backend(manifest.backend)
+        t = self._clock()
+        self._doing = f"deserializing the {manifest.backend} engine"
+        self.engine = await _on_daemon_thread("kiln-engine-deserialize", backend.load,
+                                              engine_bytes, manifest.profiles())
+        del engine_bytes
+        self._stage("deserialize", self._clock() - t)
+        sequence_spec = self._sequence_spec()
+        self.metrics.model_info.labels(model=self.name, version=self.version,
+                                       engine_key=manifest.key, backend=manifest.backend,
+                                       target=self.target).set(1)
+        if backend.uses_gpu:  # a CPU engine on a GPU node must not scale on that GPU
+            self._register_gpu_metrics()
+
+        t = self._clock()
+        self._doing = "warming up"
+        self.scheduler = self._scheduler_factory(self.engine, self.runtime_spec, self.metrics,
+                                                 self.name, manifest.key, self._clock, self.version)
+        await self.scheduler.start()
+        batching = self.runtime_spec.get("batching") or {}
+        max_batch = batching.get("maxBatchSize") if batching.get("enabled", True) else None
+        sample = warmup_inputs(list(self.engine.inputs), self.profiles, max_batch)
+        outputs = await self.scheduler.submit(sample)
+        missing = [o.name for o in self.engine.outputs if o.name not in outputs]
+        if missing:
+            raise ModelLoadError(f"warm-up returned no {', '.join(missing)}")
+        self._stage("warmup", self._clock() - t)
+        if sequence_spec is not None:
+            self._start_sequences(sequence_spec, manifest.key)
+
+    def _sequence_spec(self):
+        """spec.runtime.sequences checked against the loaded engine's tensors, or None."""
+        from kiln.runtime.serving.sequences import manager as sequences
+
+        try:
+            spec = sequences.SequenceSpec.from_runtime(self.runtime_spec)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        if spec is None:
+            return None
+        problems = sequences.check_pairs(spec.states, self._engine_inputs(), self.engine.outputs)
+        if problems:
+            raise ModelLoadError("; ".join(problems))
+        self._state_tensors = spec.state_inputs | spec.state_outputs
+        return spec
+
+    def _start_sequences(self, spec, engine_key: str) -> None:
+        from kiln.runtime.serving.sequences import manager as sequences
+        from kiln.runtime.api.contract import NAMESPACE_ENV
+
+        try:
+            store = sequences.make_store(spec.store)
+        except (ValueError, ImportError) as e:
+            raise ModelLoadError(f"sequence store: {e}") from None
+        # Not connected yet: a store that is down fails sequence requests (503), never the
+        # model's readiness or its stateless requests.
+        self.sequences = sequences.SequenceManager(
+            spec, self.name, engine_key, self._submit, self._engine_inputs(), self.engine.outputs,
+            store=store, namespace=os.environ.get(NAMESPACE_ENV) or None, clock=self._clock,
+            initial=getattr(self.engine, "default_values", None))
+        self.sequences.start()
+        manager = self.sequences
+        self.metrics.sequences_live.labels(model=self.name).set_function(
+            lambda: manager.live_sequences)
+        self.metrics.sequence_state_bytes.labels(model=self.name).set_function(
+            lambda: manager.live_bytes)
+
+    def _engine_inputs(self) -> list[TensorSpec]:
+        """Every input the engine takes: those it needs, and those it has a default for."""
+        return list(self.engine.inputs) + list(getattr(self.engine, "defaults", ()))
+
+    def _read(self, entry: str):
+        from kiln.runtime.engine import cache
+
+        if not os.path.isdir(entry):
+            raise ModelLoadError(f"engine entry {entry} does not exist: is the cache volume "
+                                 f"mounted and the engine built?")
+        return (self._reader or cache.read_verified)(entry)
+
+    def _stage(self, stage: str, seconds: float) -> None:
+        self.timings[stage] = seconds
+        self.metrics.engine_load_seconds.labels(model=self.name, stage=stage).set(seconds)
+
+    def _register_gpu_metrics(self) -> None:
+        try:
+            from kiln.runtime.engine.gpu import register_gpu_collector
+            register_gpu_collector(self.metrics.registry, self.name, self.version)
+        except Exception as e:  # metrics are not worth failing the model for
+            log.warning("model %s: GPU metrics unavailable: %s", self.name, _describe(e))
+
+    # -- serve -------------------------------------------------------------------------
+
+    async def infer(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any] | None = None,
+                    tenant: str = "") -> dict[str, np.ndarray]:
+        """Run one request. A stateful model (spec.runtime.sequences) steps the sequence the
+        request's `parameters` name (runtime/serving/sequences/manager.py); `tenant` owns it."""
+        if self.sequences is not None:
+            return await self.sequences.step(inputs, parameters, tenant)
+        from kiln.runtime.serving.sequences.manager import names_sequence
+
+        if names_sequence(parameters):
+            from kiln.runtime.serving.protocol import bad_request
+            raise bad_request(f"model '{self.name}' is not stateful (no spec.runtime.sequences): "
+                              f"drop the sequence_id parameter")
+        return await self._submit(inputs)
+
+    async def _submit(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        scheduler = self.scheduler
+        if scheduler is None:  # closed after a drain timeout, or never loaded
+            from kiln.runtime.serving.scheduling.scheduler import ShuttingDown
+            raise ShuttingDown(1.0, self.status_message())
+        return await scheduler.submit(inputs)
+
+    async def close(self, drain_timeout: float) -> None:
+        """Finish what the scheduler holds (up to the timeout), then free the engine."""
+        if self.state != FAILED:
+            self.state = STOPPED
+        started = time.monotonic()
+        if self.sequences is not None:  # its running steps need the scheduler: close it first
+            await self.sequences.close(drain_timeout)  # then it refuses steps (503)
+        await self._release(max(0.0, drain_timeout - (time.monotonic() - started)))
+
+    async def _release(self, drain_timeout: float = 0.0) -> None:
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            try:
+                await scheduler.close(drain_timeout)
+            except Exception as e:
+                log.warning("model %s: scheduler close: %s", self.name, _describe(e))
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception as e:
+                log.warning("model %s: engine close: %s", self.name, _describe(e))
+            if self.state == FAILED:
+                self.engine = None  # metadata must not describe an engine that is not served
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip()
+    return text if text else type(e).__name__

@@ -1,0 +1,76 @@
+"""What the dataplane refuses, as a kind: each transport answers it with its own status.
+
+The checks (tensors, bounds, tenancy, sequences, admission, readiness) raise `Refusal`
+with a `Kind` and a message for people; REST maps the kind to an HTTP status and gRPC to
+a status code, each from one table (`rest.server.HTTP_STATUS`, `grpc.endpoint.CODES`), so
+the same mistake gets the same answer on every door.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# Retry-After (seconds) while a model loads, is unhealthy, or the server drains.
+NOT_READY_RETRY_AFTER = 5
+# Error messages are cut to this: what a client sent is never echoed back whole.
+_MAX_ERROR_CHARS = 1024
+
+
+class Kind(enum.Enum):
+    INVALID = "invalid"                # malformed, or does not fit the model
+    NOT_FOUND = "not_found"            # no such model, version or sequence
+    CONFLICT = "conflict"              # a stored sequence state that does not fit the engine
+    TOO_LARGE = "too_large"            # over a size bound, before it is read
+    TIMEOUT = "timeout"                # the request did not arrive in time
+    UNSUPPORTED_MEDIA = "unsupported_media"  # a content type `kiln dev` does not take
+    OVERLOADED = "overloaded"          # full: come back after Retry-After
+    UNAVAILABLE = "unavailable"        # not ready, draining, a store that does not answer
+    FAILED = "failed"                  # the engine (or the server) failed
+
+
+# kiln_requests_total's outcome for each kind.
+OUTCOME = {Kind.INVALID: "bad_request", Kind.NOT_FOUND: "bad_request", Kind.CONFLICT: "bad_request",
+           Kind.TOO_LARGE: "bad_request", Kind.TIMEOUT: "bad_request",
+           Kind.UNSUPPORTED_MEDIA: "bad_request", Kind.OVERLOADED: "overloaded",
+           Kind.UNAVAILABLE: "unavailable", Kind.FAILED: "error"}
+
+
+class Refusal(Exception):
+    """A request the dataplane refuses: its kind, a message, and Retry-After seconds when
+    waiting can help."""
+
+    def __init__(self, kind: Kind, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # raised in a decoding worker process, re-raised here
+        return type(self), (self.kind, self.message, self.retry_after)
+
+
+def invalid(message: str) -> Refusal:
+    return Refusal(Kind.INVALID, message)
+
+
+def cut(message: str) -> str:
+    """An error message as answered: what a client sent is never echoed back whole."""
+    if len(message) > _MAX_ERROR_CHARS:
+        message = message[:_MAX_ERROR_CHARS - 1] + "…"
+    return message
+
+
+def scheduler_refusal(model: str, e: Exception) -> tuple[Kind, str, float | None]:
+    """A scheduler's refusal -> (kind, message, Retry-After seconds or None)."""
+    from kiln.runtime.serving.scheduling.scheduler import (ExecutionFailed, InvalidBatch,
+                                                           Overloaded, ShuttingDown)
+
+    if isinstance(e, InvalidBatch):
+        return Kind.INVALID, str(e), None
+    if isinstance(e, ShuttingDown):
+        return Kind.UNAVAILABLE, str(e), e.retry_after
+    if isinstance(e, Overloaded):
+        return Kind.OVERLOADED, f"model '{model}' is overloaded: {e}", e.retry_after
+    if isinstance(e, ExecutionFailed):
+        return Kind.FAILED, f"inference failed: {e}", None
+    raise TypeError(f"not a scheduler refusal: {e!r}")

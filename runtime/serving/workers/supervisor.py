@@ -1,0 +1,180 @@
+"""Front-end worker processes: HTTP parsed and tensors decoded on every core, one engine.
+
+One Python process serves about 9,000 small requests a second (its event loop saturates
+one core on HTTP parsing and JSON); an engine on a GPU does far more. With `workers` > 1,
+`kiln serve` runs as:
+
+    engine process (PID 1)          N front-end processes (spawned, SO_REUSEPORT on --port)
+    models, schedulers, gRPC,  <--- each: the same InferenceServer handlers, over a
+    result cache, metrics           RemoteModel per model instead of a ServedModel
+              `---- one unix socket per front end + one shared-memory segment each
+
+A front end reads and checks a request exactly as the single process does (every status
+and message is the same code's), copies the decoded tensors into its shared-memory slot
+and sends the engine a small descriptor; the engine views them in place (no copy, no
+serialization), hands them to the one scheduler that batches across every front end,
+writes the outputs into the same slot and answers with their descriptor. Tensors that do
+not fit a slot (or hold Python objects: BYTES) travel inline on the socket instead.
+Messages written in one loop iteration leave in one write, so under load one system call
+carries many requests.
+
+What stays whole across processes:
+- readiness and metadata: the engine pushes its models' state to every front end when it
+  changes (checked every `_STATE_PERIOD` seconds), so a probe is answered locally;
+- metrics: /metrics on any front end is the engine's registry; front ends send their
+  request outcomes and latencies to it (at most `_TALLY_PERIOD` seconds late);
+- draining: SIGTERM reaches the engine (PID 1), which passes it to every front end; each
+  drains as a single process does (503 + Connection: close, in-flight requests finish),
+  then the engine drains its schedulers and exits;
+- the result cache and the queue's admission wait are the engine's, shared by all. The
+  one difference: a full queue is refused after the front end has read the body (the
+  queue is in another process), not before.
+
+A front end whose engine goes away stops (the pod restarts); a front end that dies is
+restarted by the engine, at most once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from kiln.runtime.api.contract import MAX_AUTO_FRONT_END_WORKERS, MAX_FRONT_END_WORKERS
+from kiln.runtime.serving.rest.server import address
+from kiln.runtime.serving.workers.engine_side import EngineHub
+from kiln.runtime.serving.workers.front_end import FrontEndConfig, front_end_main
+
+log = logging.getLogger("kiln.runtime.serving.workers")
+
+_RESTART_DELAY = 1.0
+
+
+def cpu_limit() -> float | None:
+    """The CPUs this process may use: its cgroup's quota (a pod's CPU limit) if set, else
+    its affinity mask; None when neither can be read."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return None
+
+
+def default_workers(cpus: float | None) -> int:
+    """One front end per CPU beyond the engine's own, up to 16; a single process (no
+    hops between processes) below 3 CPUs, where a second process has no core to run on."""
+    if cpus is None or cpus < 3:
+        return 1
+    return min(MAX_AUTO_FRONT_END_WORKERS, int(math.floor(cpus)) - 1)
+
+
+def parse_workers(value: str | int | None, cpus: float | None) -> int:
+    """`--workers` / KILN_WORKERS / spec.runtime.frontendWorkers -> a count; "auto" or
+    None picks `default_workers`. Raises ValueError with the accepted forms."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+        return default_workers(cpus)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"workers must be a number from 1 to {MAX_FRONT_END_WORKERS} or "
+                         f"'auto', got {value!r}") from None
+    if not 1 <= n <= MAX_FRONT_END_WORKERS:
+        raise ValueError(f"workers must be a number from 1 to {MAX_FRONT_END_WORKERS} or "
+                         f"'auto', got {n}")
+    return n
+
+
+class FrontEnds:
+    """The engine process's side of it all: holds the port, serves the hub, starts the
+    front-end workers, restarts one that dies, and drains them on shutdown.
+
+    The port is held by a socket bound with SO_REUSEPORT and never listened on: it keeps
+    the port this pod's (port 0 picks one) while workers come and go."""
+
+    def __init__(self, count: int, host: str, port: int,
+                 make_config: Callable[[int, str, int], FrontEndConfig]):
+        self.count = count
+        self.host = host
+        self.port = port
+        self._make_config = make_config
+        self._dir = tempfile.TemporaryDirectory(prefix="kiln-engine-")
+        self.hub_path = os.path.join(self._dir.name, "engine.sock")
+        self._reserved: socket.socket | None = None
+        self._hub: EngineHub | None = None
+        self._procs: dict[int, Any] = {}
+        self._watch: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self, server: Any, grpc_port: int | None) -> str:
+        """Start the models (and gRPC) on `server` without HTTP, then the workers on the
+        port. Returns the base URL."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((self.host, self.port))
+        self._reserved = sock
+        self.port = sock.getsockname()[1]
+        await server.start(self.host, None, grpc_port)
+        self._hub = EngineHub(server, self.hub_path)
+        await self._hub.start()
+        for i in range(self.count):
+            self._spawn(i)
+        self._watch = asyncio.create_task(self._restart_dead(), name="front-end supervisor")
+        server.url = f"http://{address(self.host, self.port)}"
+        log.info("%d front-end worker(s) on %s:%s", self.count, self.host, self.port)
+        return server.url
+
+    def _spawn(self, index: int) -> None:
+        # spawn, not fork: the engine process has threads (the backend's, the loop's).
+        proc = multiprocessing.get_context("spawn").Process(
+            target=front_end_main, name=f"kiln-front-end-{index}", daemon=True,
+            args=(self._make_config(index, self.hub_path, self.port),))
+        proc.start()
+        self._procs[index] = proc
+
+    async def _restart_dead(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(_RESTART_DELAY)
+            for index, proc in list(self._procs.items()):
+                if not proc.is_alive() and not self._stopping:
+                    log.error("front end %d exited (code %s); starting it again", index,
+                              proc.exitcode)
+                    self._spawn(index)
+
+    async def stop(self, drain_seconds: float) -> None:
+        """SIGTERM every worker and wait for each to drain (its in-flight requests still
+        run here), up to the drain timeout and 5 s more; then close the hub."""
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        for proc in self._procs.values():
+            if proc.is_alive() and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + max(0.0, drain_seconds) + 5
+        loop = asyncio.get_running_loop()
+        for proc in self._procs.values():
+            await loop.run_in_executor(None, proc.join, max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("%s did not stop in time; killing it", proc.name)
+                proc.kill()
+                await loop.run_in_executor(None, proc.join, 1)
+        if self._hub is not None:
+            await self._hub.stop()
+        if self._reserved is not None:
+            self._reserved.close()
+        self._dir.cleanup()
