@@ -5,7 +5,7 @@ recomputing the prefix from the start (the compute a restart without a store was
 sequences of 100 and 1,000 steps; and the per-step overhead of storing state, for states of
 1 KB, 1 MB and 64 MB, as a ratio against a stateless step of the same model in the same run.
 
-Everything real but the HTTP hop: `SequenceManager.step` (runtime/serving/sequences/manager.py) over ONNX
+Everything real but the HTTP hop: `SequenceManager.step` (runtime/serving/sequences/) over ONNX
 Runtime sessions of models made with onnx.helper, and Debian's `redis-server` on loopback
 (tests/runtime/sequence_models.py starts it: no persistence, a free port).
 
@@ -34,9 +34,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "runtime"))
 
-from sequence_models import RedisServer, autoregressive_model, redis_server_binary  # noqa: E402
+from sequence_models import (RedisServer, autoregressive_model, redis_server_binary,  # noqa: E402
+                             with_defaults)
 
-from kiln.runtime.serving.sequences import manager as sq  # noqa: E402
+from kiln.runtime.serving.sequences.manager import SequenceManager  # noqa: E402
+from kiln.runtime.serving.sequences.spec import SequenceSpec  # noqa: E402
+from kiln.runtime.serving.sequences.stores import RedisStore  # noqa: E402
 
 HIDDEN = VOCAB = 1024
 
@@ -80,10 +83,10 @@ def _add_model(elements: int) -> bytes:
 
 
 def _manager(session, states, store, idle=600):
-    spec = sq.SequenceSpec.from_runtime({"sequences": {
+    spec = SequenceSpec.from_runtime(with_defaults({"sequences": {
         "states": states, "idleTimeoutSeconds": idle, "maxBytesPerSequence": 1 << 30,
-        "maxBytesTotal": 4 << 30}})
-    return sq.SequenceManager(spec, "bench", "key", _engine(session), _specs(session, "in"),
+        "maxBytesTotal": 4 << 30}}))
+    return SequenceManager(spec, "bench", "key", _engine(session), _specs(session, "in"),
                               _specs(session, "out"), store=store)
 
 
@@ -94,7 +97,7 @@ def _p(seq, start=False):
 async def _resume(address: str, steps: int, repeats: int) -> dict[str, float]:
     session = _session(autoregressive_model(HIDDEN, VOCAB))
     states = [{"input": "past", "output": "present"}]
-    store_a, store_b = sq.RedisStore(address, timeout=5), sq.RedisStore(address, timeout=5)
+    store_a, store_b = RedisStore(address, timeout=5), RedisStore(address, timeout=5)
     try:
         a = _manager(session, states, store_a)
         token = {"token": np.array([[1]], dtype=np.int64)}
@@ -135,7 +138,7 @@ async def _overhead(address: str, size: int, steps: int) -> dict[str, float]:
         past = session.run(names, {**x, "past": past})[0]
         samples.append(time.perf_counter() - started)
     out = {"stateless": statistics.median(samples)}
-    store = sq.RedisStore(address, timeout=10)
+    store = RedisStore(address, timeout=10)
     try:
         for label, backing in (("memory", None), ("redis", store)):
             m = _manager(session, states, backing)

@@ -340,7 +340,7 @@ class ServedModel:
 
     def _sequence_spec(self):
         """spec.runtime.sequences checked against the loaded engine's tensors, or None."""
-        from kiln.runtime.serving.sequences import manager as sequences
+        from kiln.runtime.serving.sequences import spec as sequences
 
         try:
             spec = sequences.SequenceSpec.from_runtime(self.runtime_spec)
@@ -355,11 +355,11 @@ class ServedModel:
         return spec
 
     def _start_sequences(self, spec, engine_key: str) -> None:
-        from kiln.runtime.serving.sequences import manager as sequences
+        from kiln.runtime.serving.sequences import manager as sequences, stores
         from kiln.runtime.api.contract import NAMESPACE_ENV
 
         try:
-            store = sequences.make_store(spec.store)
+            store = stores.make_store(spec.store)
         except (ValueError, ImportError) as e:
             raise ModelLoadError(f"sequence store: {e}") from None
         # Not connected yet: a store that is down fails sequence requests (503), never the
@@ -406,7 +406,7 @@ class ServedModel:
         request's `parameters` name (runtime/serving/sequences/manager.py); `tenant` owns it."""
         if self.sequences is not None:
             return await self.sequences.step(inputs, parameters, tenant)
-        from kiln.runtime.serving.sequences.manager import names_sequence
+        from kiln.runtime.serving.sequences.params import names_sequence
 
         if names_sequence(parameters):
             from kiln.runtime.serving.protocol import bad_request

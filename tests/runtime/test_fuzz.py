@@ -49,7 +49,7 @@ from fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finit
 from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS,  # noqa: E402
                           NAME, Answer, Built, ServerThread, assert_still_serves, http_request,
                           json_inputs, raw_exchange, sample)
-from sequence_models import RNN_STATES, rnn_model  # noqa: E402
+from sequence_models import RNN_STATES, rnn_model, with_defaults  # noqa: E402
 from test_server import assert_matches, build_cpu_engine  # noqa: E402
 
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb  # noqa: E402
@@ -659,7 +659,7 @@ def stateful(tmp_path_factory, tracebacks):
     root = tmp_path_factory.mktemp("fuzz-tenants")
     rel = build_cpu_engine(root, "rnn", rnn_model())
     # Examples start sequences and leave them live: room for kiln-explore's many.
-    runtime = {"sequences": {"states": RNN_STATES, "maxLiveSequences": 100_000}}
+    runtime = with_defaults({"sequences": {"states": RNN_STATES, "maxLiveSequences": 100_000}})
     srv = ServerThread(root / "cache", {"cpu": rel}, runtime, grpc_port=0)
     assert srv.wait_loaded(), srv.model.status_message()
     with grpc.insecure_channel(srv.server.grpc_address) as channel:

@@ -1,7 +1,7 @@
 """Stateful sequences (issue 13): state in, state out, kept outside the engine and the pod.
 
 Three layers, each against real pieces:
-- the core (runtime/serving/sequences/manager.py) with a numpy RNN as the engine, a MemoryStore and a
+- the core (runtime/serving/sequences/) with a numpy RNN as the engine, a MemoryStore and a
   clock the test advances: expiry, isolation, bounds, races, corruption, engine keys;
 - the store: a real `redis-server` on loopback (Debian's, `make redis`), its Lua
   compare-and-set, its own TTL, and what a store that is down answers;
@@ -28,10 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sequence_models import (AR_STATES, RNN_STATES, RedisServer,  # noqa: E402
                              autoregressive_model, redis_server_binary, reference_autoregressive,
-                             rnn_model)
+                             rnn_model, with_defaults)
 
 from kiln.runtime.serving.refusals import Kind  # noqa: E402
-from kiln.runtime.serving.sequences import manager as sq  # noqa: E402
+from kiln.runtime.serving.sequences import stores  # noqa: E402
+from kiln.runtime.serving.sequences.codec import (TOKEN_BYTES, TOKEN_OFFSET,  # noqa: E402
+                                                  CorruptState, StoredState, decode_state,
+                                                  encode_state)
+from kiln.runtime.serving.sequences.manager import SequenceManager  # noqa: E402
+from kiln.runtime.serving.sequences.params import (MAX_TENANT_BYTES, SequenceError,  # noqa: E402
+                                                   SequenceParams, parse_parameters, tenant_hash,
+                                                   tenant_of)
+from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec, check_pairs  # noqa: E402
 from kiln.runtime.engine.backends.base import TensorSpec  # noqa: E402
 from kiln.runtime.serving.protocol import decode_infer_response  # noqa: E402
 
@@ -70,10 +78,10 @@ class NumpyRnn:
 
 
 def manager(store=None, clock=None, engine=None, engine_key="key-1",
-            **spec_fields) -> sq.SequenceManager:
+            **spec_fields) -> SequenceManager:
     raw = {"states": [{"input": "h", "output": "h_next"}], **spec_fields}
-    spec = sq.SequenceSpec.from_runtime({"sequences": raw})
-    return sq.SequenceManager(spec, "rnn", engine_key,
+    spec = SequenceSpec.from_runtime(with_defaults({"sequences": raw}))
+    return SequenceManager(spec, "rnn", engine_key,
                               engine or NumpyRnn(), INPUTS, OUTPUTS, store=store,
                               clock=clock or Clock())
 
@@ -103,8 +111,8 @@ async def run_steps(m, seq, first, last, tenant="", start=None, end_at=None):
     return out
 
 
-async def refused(coro) -> sq.SequenceError:
-    with pytest.raises(sq.SequenceError) as e:
+async def refused(coro) -> SequenceError:
+    with pytest.raises(SequenceError) as e:
         await coro
     return e.value
 
@@ -112,12 +120,29 @@ async def refused(coro) -> sq.SequenceError:
 # ------------------------------------------------------------------ the spec and the parameters
 
 def test_spec_defaults_and_pairs():
-    spec = sq.SequenceSpec.from_runtime({"sequences": {"states": RNN_STATES}})
+    spec = SequenceSpec.from_runtime(with_defaults({"sequences": {"states": RNN_STATES}}))
     assert spec.states == (("h", "h_next"),)
     assert (spec.idle_timeout, spec.max_live, spec.store.type) == (300, 1024, "memory")
-    assert sq.SequenceSpec.from_runtime({}) is None
+    assert SequenceSpec.from_runtime({}) is None
     with pytest.raises(ValueError, match="address is required"):
-        sq.SequenceSpec.from_runtime({"sequences": {"states": RNN_STATES, "store": {"type": "redis"}}})
+        SequenceSpec.from_runtime(with_defaults({"sequences": {"states": RNN_STATES,
+                                                               "store": {"type": "redis"}}}))
+
+
+def test_the_spec_requires_what_the_crd_defaults():
+    """The CRD's defaults are applied before the spec is read (the API server, kiln serve):
+    a key the CRD defaults is required here, and a missing one is named."""
+    whole = with_defaults({"sequences": {"states": RNN_STATES}})["sequences"]
+    for key in ("idleTimeoutSeconds", "maxLiveSequences", "maxBytesPerSequence",
+                "maxBytesTotal", "store"):
+        raw = {k: v for k, v in whole.items() if k != key}
+        with pytest.raises(ValueError, match=rf"^spec\.runtime\.sequences\.{key} is missing"):
+            SequenceSpec.from_runtime({"sequences": raw})
+    for key in ("type", "timeoutMilliseconds"):
+        store = {k: v for k, v in whole["store"].items() if k != key}
+        with pytest.raises(ValueError,
+                           match=rf"^spec\.runtime\.sequences\.store\.{key} is missing"):
+            SequenceSpec.from_runtime({"sequences": {**whole, "store": store}})
 
 
 def test_check_pairs_names_both_tensors():
@@ -125,8 +150,8 @@ def test_check_pairs_names_both_tensors():
            TensorSpec("c", "FP16", (1, 4))]
     outs = [TensorSpec("present", "FP32", (1, -1, 8)), TensorSpec("c2", "FP32", (1, 4)),
             TensorSpec("bad", "FP32", (1, 9, 7))]
-    assert sq.check_pairs([("past", "present")], ins, outs) == []
-    assert sq.check_pairs([("c", "c2"), ("past", "bad"), ("nope", "present"), ("past", "gone")],
+    assert check_pairs([("past", "present")], ins, outs) == []
+    assert check_pairs([("c", "c2"), ("past", "bad"), ("nope", "present"), ("past", "gone")],
                           ins, outs) == [
         "spec.runtime.sequences.states[0]: input 'c' (FP16 [1, 4]) and output 'c2' (FP32 [1, 4]) "
         "differ in datatype: the output becomes the next step's input",
@@ -137,18 +162,18 @@ def test_check_pairs_names_both_tensors():
         "spec.runtime.sequences.states[3]: 'gone' is not an output of the model; its outputs are: "
         "present, c2, bad",
     ]
-    assert sq.check_pairs([("tok", "present")], ins[:1], outs)[-1] == (
+    assert check_pairs([("tok", "present")], ins[:1], outs)[-1] == (
         "spec.runtime.sequences.states: every input of the model is a state; a step needs "
         "at least one input from the client")
 
 
 @pytest.mark.parametrize("raw,want", [
     ({}, None), ({"sequence_id": 0}, None), ({"sequence_id": ""}, None),
-    ({"sequence_id": 7, "sequence_start": True}, sq.SequenceParams("7", True, False)),
-    ({"sequence_id": "chat-42", "sequence_end": True}, sq.SequenceParams("chat-42", False, True)),
+    ({"sequence_id": 7, "sequence_start": True}, SequenceParams("7", True, False)),
+    ({"sequence_id": "chat-42", "sequence_end": True}, SequenceParams("chat-42", False, True)),
 ])
 def test_sequence_parameters(raw, want):
-    assert sq.parse_parameters(raw) == want
+    assert parse_parameters(raw) == want
 
 
 @pytest.mark.parametrize("raw,fragment", [
@@ -159,41 +184,41 @@ def test_sequence_parameters(raw, want):
     ({"sequence_start": True}, "need a sequence_id"),
 ])
 def test_bad_sequence_parameters_are_400(raw, fragment):
-    with pytest.raises(sq.SequenceError) as e:
-        sq.parse_parameters(raw)
+    with pytest.raises(SequenceError) as e:
+        parse_parameters(raw)
     assert e.value.kind is Kind.INVALID and fragment in e.value.message
 
 
 def test_tenant_is_the_header_else_the_token():
-    assert sq.tenant_of([("Kiln-Tenant", "acme")]) == "h:acme"
-    assert sq.tenant_of([("kiln-tenant", "acme")]) == "h:acme"  # gRPC metadata
-    bearer = sq.tenant_of([("Authorization", "Bearer s3cret")])
+    assert tenant_of([("Kiln-Tenant", "acme")]) == "h:acme"
+    assert tenant_of([("kiln-tenant", "acme")]) == "h:acme"  # gRPC metadata
+    bearer = tenant_of([("Authorization", "Bearer s3cret")])
     assert bearer.startswith("t:") and "s3cret" not in bearer
-    assert sq.tenant_of([("Kiln-Tenant", "acme"), ("Authorization", "Bearer s3cret")]) == "h:acme"
-    assert sq.tenant_of([]) == ""
-    assert sq.tenant_hash("h:a") != sq.tenant_hash("h:b")
+    assert tenant_of([("Kiln-Tenant", "acme"), ("Authorization", "Bearer s3cret")]) == "h:acme"
+    assert tenant_of([]) == ""
+    assert tenant_hash("h:a") != tenant_hash("h:b")
 
 
 def tenant_refusal(pairs) -> str:
-    with pytest.raises(sq.SequenceError) as e:
-        sq.tenant_of(pairs)
+    with pytest.raises(SequenceError) as e:
+        tenant_of(pairs)
     assert e.value.kind is Kind.INVALID
     return e.value.message
 
 
 def test_a_tenant_is_its_whole_identity():
     prefix = "spiffe://corp/" + "x" * 250
-    alice, mallory = (sq.tenant_of([("Kiln-Tenant", prefix + who)])
+    alice, mallory = (tenant_of([("Kiln-Tenant", prefix + who)])
                       for who in ("/alice", "/mallory"))
     assert alice == "h:" + prefix + "/alice" and alice != mallory
-    most = "a" * sq.MAX_TENANT_BYTES
-    assert sq.tenant_of([("Kiln-Tenant", most)]) == "h:" + most
+    most = "a" * MAX_TENANT_BYTES
+    assert tenant_of([("Kiln-Tenant", most)]) == "h:" + most
     assert tenant_refusal([("Kiln-Tenant", most + "a")]) == (
         "the Kiln-Tenant header has 4097 characters; a tenant has at most 4096 (it is never "
         "cut short: two tenants would become one)")
     # HTTP never delivers the spaces and tabs around a value; gRPC does: both drop them.
-    assert sq.tenant_of([("kiln-tenant", " \talice \t")]) == "h:alice"
-    assert sq.tenant_of([("Kiln-Tenant", "alice bob")]) == "h:alice bob"
+    assert tenant_of([("kiln-tenant", " \talice \t")]) == "h:alice"
+    assert tenant_of([("Kiln-Tenant", "alice bob")]) == "h:alice bob"
     # What aiohttp and gRPC make of bytes that are not printable ASCII differs (surrogates,
     # latin-1): refused alike rather than told apart.
     for value in ("caf\u00e9", "\udcff", "\u00ff", "a\tb", "a\x01b", "a\x7fb"):
@@ -213,30 +238,30 @@ def test_a_repeated_tenant_header_is_refused():
         want.replace("Kiln-Tenant", "Authorization"))
     assert tenant_refusal([("Authorization", "Bearer caf\u00e9")]).startswith(
         "the Authorization header must be printable ASCII")
-    assert sq.tenant_of([("Kiln-Tenant", "acme"), ("Authorization", "a"),
+    assert tenant_of([("Kiln-Tenant", "acme"), ("Authorization", "a"),
                          ("Authorization", "b")]) == "h:acme"
 
 
 # ------------------------------------------------------------------ the blob
 
 def test_blob_round_trip_and_integrity():
-    state = sq.StoredState("key-1", 3, "0123456789abcdef",
+    state = StoredState("key-1", 3, "0123456789abcdef",
                            {"h": np.arange(6, dtype=np.float32).reshape(1, 6),
                             "c": np.array([[1, 2]], dtype=np.int64)})
-    blob = sq.encode_state(state, "rnn")
-    back = sq.decode_state(blob)
+    blob = encode_state(state, "rnn")
+    back = decode_state(blob)
     assert (back.engine_key, back.step, back.incarnation) == ("key-1", 3, "0123456789abcdef")
     assert all(np.array_equal(back.tensors[k], v) and back.tensors[k].dtype == v.dtype
                for k, v in state.tensors.items())
-    assert blob[sq.TOKEN_OFFSET:sq.TOKEN_OFFSET + sq.TOKEN_BYTES] == state.token
+    assert blob[TOKEN_OFFSET:TOKEN_OFFSET + TOKEN_BYTES] == state.token
     flipped = bytearray(blob)
     flipped[-1] ^= 1
-    with pytest.raises(sq.CorruptState, match="sha256 of the tensor bytes"):
-        sq.decode_state(bytes(flipped))
-    with pytest.raises(sq.CorruptState, match="header accounts for"):
-        sq.decode_state(blob[:-4])
-    with pytest.raises(sq.CorruptState, match="bad magic"):
-        sq.decode_state(b"nonsense" * 10)
+    with pytest.raises(CorruptState, match="sha256 of the tensor bytes"):
+        decode_state(bytes(flipped))
+    with pytest.raises(CorruptState, match="header accounts for"):
+        decode_state(blob[:-4])
+    with pytest.raises(CorruptState, match="bad magic"):
+        decode_state(b"nonsense" * 10)
 
 
 # ------------------------------------------------------------------ the core, in memory
@@ -324,7 +349,7 @@ async def test_steps_of_one_sequence_run_one_after_the_other():
 
 async def test_another_replica_continues_from_the_store_bit_for_bit():
     clock = Clock()
-    store = sq.MemoryStore(clock)
+    store = stores.MemoryStore(clock)
     one, two = manager(store, clock), manager(store, clock)
     got = await run_steps(one, "conv", 0, 4)
     got += await run_steps(two, "conv", 4, 8, start=False)  # a new pod: one read, then on
@@ -333,14 +358,14 @@ async def test_another_replica_continues_from_the_store_bit_for_bit():
 
 
 async def test_a_state_from_another_engine_is_refused():
-    store = sq.MemoryStore()
+    store = stores.MemoryStore()
     await manager(store, engine_key="v1").step(x(0), params(1, start=True))
     e = await refused(manager(store, engine_key="v2").step(x(1), params(1)))
     assert e.kind is Kind.CONFLICT and "started on engine v1" in e.message and "serves engine v2" in e.message
 
 
 async def test_a_store_that_is_down_is_503_and_the_state_stays_whole():
-    store = sq.MemoryStore()
+    store = stores.MemoryStore()
     m = manager(store)
     await run_steps(m, 1, 0, 3)
     store.down = True
@@ -352,7 +377,7 @@ async def test_a_store_that_is_down_is_503_and_the_state_stays_whole():
 
 
 async def test_a_corrupt_state_is_an_error_not_data():
-    store = sq.MemoryStore()
+    store = stores.MemoryStore()
     await manager(store).step(x(0), params(1, start=True))
     key = next(iter(store._data))
     blob, expires = store._data[key]
@@ -365,11 +390,11 @@ async def test_a_corrupt_state_is_an_error_not_data():
 async def test_a_state_of_the_wrong_shape_is_refused_and_discarded():
     """Issue 19, item 4: a state with a valid digest but a shape the model's state input
     cannot take is a 409 that says so, and gone from the store: never fed to the engine."""
-    store = sq.MemoryStore()
+    store = stores.MemoryStore()
     engine = NumpyRnn()
     m = manager(store, engine=engine)
     key = m.key("", "bad")
-    blob = sq.encode_state(sq.StoredState("key-1", 1, "0123456789abcdef",
+    blob = encode_state(StoredState("key-1", 1, "0123456789abcdef",
                                           {"h": np.zeros((1, 8), np.float32)}), "rnn")
     await store.put(key, blob, None, 60_000)
     e = await refused(m.step(x(1), params("bad")))
@@ -380,7 +405,7 @@ async def test_a_state_of_the_wrong_shape_is_refused_and_discarded():
     assert len(store) == 0 and engine.calls == 0
     e = await refused(m.step(x(1), params("bad")))
     assert e.kind is Kind.NOT_FOUND  # gone: a retry does not meet it again
-    await store.put(key, sq.encode_state(sq.StoredState(
+    await store.put(key, encode_state(StoredState(
         "key-1", 1, "0123456789abcdef", {"h": np.zeros((1, H), np.int64)}), "rnn"), None, 60_000)
     e = await refused(m.step(x(1), params("bad")))
     assert e.kind is Kind.CONFLICT and "'h' is INT64, the model's input is FP32 [1, 6]" in e.message
@@ -388,7 +413,7 @@ async def test_a_state_of_the_wrong_shape_is_refused_and_discarded():
 
 
 async def test_memory_is_a_bounded_cache_of_the_store():
-    store = sq.MemoryStore()
+    store = stores.MemoryStore()
     m = manager(store, maxLiveSequences=2)
     for s in range(1, 6):
         await m.step(x(0), params(s, start=True))
@@ -398,7 +423,7 @@ async def test_memory_is_a_bounded_cache_of_the_store():
 
 
 async def test_close_refuses_new_steps():
-    m = manager(sq.MemoryStore())
+    m = manager(stores.MemoryStore())
     await m.step(x(0), params(1, start=True))
     await m.close(1.0)
     e = await refused(m.step(x(1), params(1)))
@@ -416,30 +441,30 @@ def redis_server(tmp_path):
 
 @needs_redis
 async def test_redis_store_compare_and_set_and_ttl(redis_server):
-    store = sq.RedisStore(redis_server.address, timeout=1.0)
+    store = stores.RedisStore(redis_server.address, timeout=1.0)
     try:
-        state = sq.StoredState("k", 1, "00000000000000aa", {"h": np.ones((1, 4), np.float32)})
-        blob = sq.encode_state(state, "m")
-        assert await store.put("kiln:seq:t", blob, None, 60_000) == sq.OK
-        assert await store.put("kiln:seq:t", blob, None, 60_000) == sq.CONFLICT  # exists
-        assert await store.put("kiln:seq:t", blob, b"x" * 32, 60_000) == sq.CONFLICT
-        assert await store.put("kiln:seq:gone", blob, state.token, 60_000) == sq.MISSING
+        state = StoredState("k", 1, "00000000000000aa", {"h": np.ones((1, 4), np.float32)})
+        blob = encode_state(state, "m")
+        assert await store.put("kiln:seq:t", blob, None, 60_000) == stores.OK
+        assert await store.put("kiln:seq:t", blob, None, 60_000) == stores.CONFLICT  # exists
+        assert await store.put("kiln:seq:t", blob, b"x" * 32, 60_000) == stores.CONFLICT
+        assert await store.put("kiln:seq:gone", blob, state.token, 60_000) == stores.MISSING
         assert await store.get("kiln:seq:t") == blob
-        assert await store.delete("kiln:seq:t", b"y" * 32) == sq.CONFLICT
-        assert await store.delete("kiln:seq:t", state.token) == sq.OK
+        assert await store.delete("kiln:seq:t", b"y" * 32) == stores.CONFLICT
+        assert await store.delete("kiln:seq:t", state.token) == stores.OK
         assert await store.get("kiln:seq:t") is None
         # A large value takes WATCH + MULTI/EXEC instead of the script: the same verdicts.
-        big = sq.StoredState("k", 1, "00000000000000bb", {"h": np.ones((1, 100_000), np.float32)})
-        blob = sq.encode_state(big, "m")
-        assert len(blob) > sq._SCRIPT_MAX_BYTES
-        assert await store.put("kiln:seq:big", blob, None, 60_000) == sq.OK
-        assert await store.put("kiln:seq:big", blob, None, 60_000) == sq.CONFLICT
-        assert await store.put("kiln:seq:big", blob, b"x" * 32, 60_000) == sq.CONFLICT
-        assert await store.put("kiln:seq:nope", blob, big.token, 60_000) == sq.MISSING
-        assert await store.put("kiln:seq:big", blob, big.token, 60_000) == sq.OK
+        big = StoredState("k", 1, "00000000000000bb", {"h": np.ones((1, 100_000), np.float32)})
+        blob = encode_state(big, "m")
+        assert len(blob) > stores._SCRIPT_MAX_BYTES
+        assert await store.put("kiln:seq:big", blob, None, 60_000) == stores.OK
+        assert await store.put("kiln:seq:big", blob, None, 60_000) == stores.CONFLICT
+        assert await store.put("kiln:seq:big", blob, b"x" * 32, 60_000) == stores.CONFLICT
+        assert await store.put("kiln:seq:nope", blob, big.token, 60_000) == stores.MISSING
+        assert await store.put("kiln:seq:big", blob, big.token, 60_000) == stores.OK
         assert await store.get("kiln:seq:big") == blob
         # Expiry is Redis's own TTL (the idle timeout, in ms).
-        assert await store.put("kiln:seq:short", blob, None, 300) == sq.OK
+        assert await store.put("kiln:seq:short", blob, None, 300) == stores.OK
         await asyncio.sleep(0.5)
         assert await store.get("kiln:seq:short") is None
     finally:
@@ -449,13 +474,13 @@ async def test_redis_store_compare_and_set_and_ttl(redis_server):
 @needs_redis
 async def test_redis_keys_ttl_and_real_expiry(redis_server):
     clock = Clock()
-    store = sq.RedisStore(redis_server.address)
+    store = stores.RedisStore(redis_server.address)
     try:
         m = manager(store, clock, idleTimeoutSeconds=1)
         await m.step(x(0), params("exp", start=True), tenant="h:acme")
         keys = redis_server.command("KEYS", "kiln:seq:*").decode()
-        assert f"kiln:seq:rnn:{sq.tenant_hash('h:acme')}:exp" in keys
-        ttl = int(redis_server.command("PTTL", f"kiln:seq:rnn:{sq.tenant_hash('h:acme')}:exp")
+        assert f"kiln:seq:rnn:{tenant_hash('h:acme')}:exp" in keys
+        ttl = int(redis_server.command("PTTL", f"kiln:seq:rnn:{tenant_hash('h:acme')}:exp")
                   .decode().strip(":\r\n"))
         assert 0 < ttl <= 1000
         await asyncio.sleep(1.2)  # the one real wait: Redis's TTL, not ours
@@ -469,14 +494,14 @@ async def test_redis_keys_ttl_and_real_expiry(redis_server):
 @needs_redis
 async def test_the_password_comes_from_the_environment(tmp_path):
     server = RedisServer(tmp_path / "auth", password="s3cret-pw").start()
-    spec = sq.StoreSpec(type="redis", address=server.address, password_required=True)
+    spec = StoreSpec(type="redis", timeout=1.0, address=server.address, password_required=True)
     try:
         with pytest.raises(ValueError, match="KILN_SEQUENCE_STORE_PASSWORD is not in the environment"):
-            sq.make_store(spec, environ={})
-        good = sq.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "s3cret-pw"})
+            stores.make_store(spec, environ={})
+        good = stores.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "s3cret-pw"})
         await run_steps(manager(good), 1, 0, 2)
         await good.close()
-        bad = sq.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "wrong"})
+        bad = stores.make_store(spec, environ={"KILN_SEQUENCE_STORE_PASSWORD": "wrong"})
         e = await refused(manager(bad).step(x(0), params(1, start=True)))
         assert e.kind is Kind.UNAVAILABLE and "refused the credentials" in e.message
         assert "s3cret-pw" not in e.message and "wrong" not in e.message
@@ -487,7 +512,7 @@ async def test_the_password_comes_from_the_environment(tmp_path):
 
 @needs_redis
 async def test_redis_down_is_503_within_the_timeout(redis_server):
-    store = sq.RedisStore(redis_server.address, timeout=0.3)
+    store = stores.RedisStore(redis_server.address, timeout=0.3)
     try:
         m = manager(store)
         await run_steps(m, 1, 0, 2)
@@ -549,7 +574,7 @@ class Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.model = ServedModel(name, "1", root / "cache", {"cpu": rel}, runtime,
+        self.model = ServedModel(name, "1", root / "cache", {"cpu": rel}, with_defaults(runtime),
                                  ServerMetrics(), target="cpu")
         self.server = InferenceServer([self.model], self.model.metrics)
         url = self.call(self.server.start("127.0.0.1", 0, 0))
@@ -738,7 +763,7 @@ def test_a_mismatched_pair_keeps_the_pod_alive_and_not_ready(engines):
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
 
-    model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, runtime,
+    model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, with_defaults(runtime),
                         ServerMetrics(), target="cpu")
     assert asyncio.run(model.load()) is False
     assert model.error == ("spec.runtime.sequences.states[0]: input 'h' (FP32 [1, 32]) and "
@@ -770,9 +795,9 @@ def test_a_bad_state_never_takes_the_replica_out_of_service(engines, request, st
     served = Served(root, "rnn", rels["rnn"], runtime)
     sequences = served.model.sequences
     if store == "memory":  # the one store a test can write into without a server
-        sequences.store = sq.MemoryStore()
+        sequences.store = stores.MemoryStore()
     key = sequences.key("", "bad")
-    blob = sq.encode_state(sq.StoredState(sequences.engine_key, 1, "0123456789abcdef",
+    blob = encode_state(StoredState(sequences.engine_key, 1, "0123456789abcdef",
                                           {"h": np.ones((1, 8), np.float32)}), "rnn")
     try:
         for _ in range(6):
