@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import grpc
 import numpy as np
@@ -31,6 +31,7 @@ from google.protobuf.message import DecodeError
 
 from kiln import __version__
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
+from kiln.runtime.serving.grpc.stream import ModelStreamInfer
 from kiln.runtime.serving import protocol
 from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.serving.model import ServedModel
@@ -145,10 +146,16 @@ class GrpcEndpoint:
         """One handler per method of the service in the .proto, each this class's method of
         that name (so a method the proto adds and this class lacks fails at start). Each
         gets the request's bytes (no request_deserializer) and parses them itself: gRPC's
-        own failure to parse answers UNKNOWN and logs a traceback."""
+        own failure to parse answers UNKNOWN and logs a traceback. The one streaming
+        method, ModelStreamInfer, is stream.py's, over `infer_message`."""
         service = pb.DESCRIPTOR.services_by_name[SERVICE.rsplit(".", 1)[1]]
         methods = {}
         for method in service.methods:
+            if method.client_streaming:
+                methods[method.name] = grpc.stream_stream_rpc_method_handler(
+                    ModelStreamInfer(self.infer_message, lambda: self.server.draining).handle,
+                    response_serializer=lambda message: message.SerializeToString())
+                continue
             methods[method.name] = grpc.unary_unary_rpc_method_handler(
                 _parsing(getattr(self, method.name), getattr(pb, method.input_type.name)),
                 response_serializer=lambda message: message.SerializeToString())
@@ -199,15 +206,27 @@ class GrpcEndpoint:
     # -- inference ---------------------------------------------------------------------
 
     async def ModelInfer(self, request, context):
-        model = await self._model(request.model_name, request.model_version, context)
+        try:
+            return await self.infer_message(request, context.invocation_metadata() or ())
+        except Refusal as e:
+            await _abort(context, _Refused(e.kind, e.message, e.retry_after))
+
+    async def infer_message(self, request: pb.ModelInferRequest,
+                            metadata: Iterable[tuple[str, str]]) -> pb.ModelInferResponse:
+        """One ModelInferRequest answered, whichever call carried it (ModelInfer, a message
+        of ModelStreamInfer): counted in flight and in the metrics, its tenant read from the
+        call's `metadata`. Raises Refusal."""
+        model = self.server.find_model(request.model_name, request.model_version or None)
         result = await self.server.track(
-            model, lambda in_scheduler: self._infer(request, model, in_scheduler, context), _outcome)
+            model, lambda in_scheduler: self._infer(request, model, in_scheduler, metadata),
+            _outcome)
         if isinstance(result, _Refused):
-            await _abort(context, result)
+            raise Refusal(result.kind, result.message, result.retry_after)
         return result
 
     async def _infer(self, request: pb.ModelInferRequest, model: ServedModel,
-                     in_scheduler: list[bool], context) -> pb.ModelInferResponse | _Refused:
+                     in_scheduler: list[bool], metadata: Iterable[tuple[str, str]]
+                     ) -> pb.ModelInferResponse | _Refused:
         if self.server.draining:
             return _Refused(Kind.UNAVAILABLE, "the server is shutting down; retry on another replica",
                             NOT_READY_RETRY_AFTER)
@@ -221,7 +240,7 @@ class GrpcEndpoint:
                                              model.profiles)
             in_scheduler.append(True)
             parameters = _parameters(request.parameters)
-            tenant = request_tenant(parameters, lambda: context.invocation_metadata() or ())
+            tenant = request_tenant(parameters, lambda: metadata)
             results = await model.infer(inputs, parameters, tenant)
         except Refusal as e:
             return _Refused(e.kind, e.message, e.retry_after)
