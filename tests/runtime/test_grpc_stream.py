@@ -187,6 +187,31 @@ def test_a_stream_answers_every_request_with_its_id_and_the_unary_answer(built, 
         assert_matches(answered[request_id], built.expected(inputs))
     stream.close()
 
+    # The aio client's stream_infer: the same stream, an async iterator each way.
+    import asyncio
+
+    import tritonclient.grpc.aio as aio
+
+    async def aio_stream() -> dict[str, dict[str, np.ndarray]]:
+        async def requests():
+            for request_id in list(sent)[:8]:
+                yield {"model_name": NAME, "inputs": triton_inputs(sent[request_id]),
+                       "request_id": request_id}
+
+        async with aio.InferenceServerClient(server.grpc) as client:
+            got = {}
+            async for result, error in client.stream_infer(requests()):
+                assert error is None, error
+                got[result.get_response().id] = outputs(result)
+                if len(got) == 8:
+                    break
+            return got
+
+    aio_answered = asyncio.run(aio_stream())
+    assert set(aio_answered) == set(list(sent)[:8])
+    for request_id, got in aio_answered.items():
+        assert_matches(got, answered[request_id])
+
 
 def test_bytes_that_are_not_a_request_are_answered_and_the_stream_goes_on(built, tmp_path,
                                                                         kiln_process):
