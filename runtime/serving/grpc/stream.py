@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError
 
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 from kiln.runtime.serving.refusals import Refusal, cut
-from kiln.runtime.serving.sequences.manager import names_sequence
+from kiln.runtime.serving.sequences.params import names_sequence
 
 log = logging.getLogger("kiln.runtime.grpc")
 
