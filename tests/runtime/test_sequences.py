@@ -16,7 +16,6 @@ import asyncio
 import http.client
 import json
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,16 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kiln.runtime.serving.refusals import Kind
+from kiln.runtime.serving.sequences import manager as sq
+from kiln.runtime.engine.backends.base import TensorSpec
+from kiln.runtime.serving.protocol import decode_infer_response
 
-from sequence_models import (AR_STATES, RNN_STATES, RedisServer,  # noqa: E402
-                             autoregressive_model, redis_server_binary, reference_autoregressive,
-                             rnn_model)
-
-from kiln.runtime.serving.refusals import Kind  # noqa: E402
-from kiln.runtime.serving.sequences import manager as sq  # noqa: E402
-from kiln.runtime.engine.backends.base import TensorSpec  # noqa: E402
-from kiln.runtime.serving.protocol import decode_infer_response  # noqa: E402
+from support.sequence_models import (AR_STATES, RNN_STATES, RedisServer, autoregressive_model,
+                                     redis_server_binary, reference_autoregressive, rnn_model)
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="needs redis-server (make redis)")
