@@ -47,7 +47,7 @@ monitoring-tools:
 	@promtool --version 2>&1 | head -1
 
 # Debian's Redis server: the store the stateful-sequence tests and benchmark start on loopback
-# (tests/runtime/sequence_models.py: a free port, no persistence). Installing starts nothing.
+# (tests/support/sequence_models.py: a free port, no persistence). Installing starts nothing.
 redis:
 	@command -v redis-server >/dev/null || { \
 		export DEBIAN_FRONTEND=noninteractive; \
@@ -83,10 +83,10 @@ e2e-docs: install tools monitoring-tools controlplane
 
 # A local control plane with Kiln installed from the chart, left running; prints the KUBECONFIG.
 cluster: install tools controlplane
-	cd tests && ../$(BIN)/python -m localcluster start
+	cd tests && ../$(BIN)/python -m support.localcluster start
 
 cluster-down:
-	cd tests && ../$(BIN)/python -m localcluster stop
+	cd tests && ../$(BIN)/python -m support.localcluster stop
 
 demo: install
 	$(BIN)/python -m kiln.runtime.commands.demo

@@ -1,6 +1,6 @@
 """Autoscaling from alerts (issue 9): the receiver under load, and from a webhook to replicas.
 
-On the real control plane (tests/localcluster: upstream kube-apiserver and etcd, the real
+On the real control plane (tests/support/localcluster: upstream kube-apiserver and etcd, the real
 Deployment and ReplicaSet controllers, kwok's nodes), the real operator as its own process
 (`kiln operator` with its alert receiver, a ServiceAccount token bound to the chart's RBAC),
 and the kubelet played cheaply (benchmarks.operator_scale_real.FakeKubelet: pods Ready at
@@ -14,7 +14,7 @@ once). M autoscaled models, every one Ready.
    pays).
 2. From the webhook POST (what Alertmanager sends) to spec.runtime.replicas changed in the
    API server (polled every 2 ms): once per model, sequentially.
-3. From a load step to the first new replica Ready, everything real (tests/localcluster with
+3. From a load step to the first new replica Ready, everything real (tests/support/localcluster with
    Kiln installed by helm, `kiln serve` pods run by the kubelet harness, Debian's Prometheus
    and Alertmanager): the chart's rules with their shipped windows, a 15 s scrape and
    evaluation interval, the documented Alertmanager route; each stage's time as observed by
@@ -38,7 +38,6 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 
 TARGETS = {"receiver_p99_ms": 50.0, "webhook_to_replicas_s": 1.0}
 RATE = 200  # alerts per second
@@ -106,8 +105,8 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
 
     from benchmarks.operator_scale import terminate
     from benchmarks.operator_scale_real import FakeKubelet, bare_cluster, prepare
-    from localcluster.client import wait_for
-    from monitoring.process import free_port
+    from support.localcluster.client import wait_for
+    from support.monitoring.process import free_port
 
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-autoscaling-"))
     cp = bare_cluster(root)
@@ -217,9 +216,8 @@ def _load_step(quick: bool) -> dict[str, float]:
     import threading
     import urllib.request
 
-    import localcluster
-    import monitoring
-    from localcluster.client import Api, pods, ready, wait_for
+    from support import localcluster, monitoring
+    from support.localcluster.client import Api, pods, ready, wait_for
 
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-loadstep-"))
     cluster = localcluster.LocalCluster(root).up()
@@ -325,7 +323,7 @@ def run(quick: bool) -> str:
         "",
         "The real operator (`kiln operator`, its own process, with its alert receiver and a token of the chart's "
         "ServiceAccount) against upstream kube-apiserver v1.37 and etcd with the real controllers "
-        f"(tests/localcluster); the kubelet played (pods Ready at once). {models} autoscaled models, all Ready.",
+        f"(tests/support/localcluster); the kubelet played (pods Ready at once). {models} autoscaled models, all Ready.",
         "",
         f"**Receiver under {RATE} alerts/s**, open loop for {seconds:.0f} s each, spread over {models // 2} models. "
         "Steady: what Alertmanager sends while alerts stay as they are (its repeat_interval, a second "

@@ -2,7 +2,7 @@
 
 The real operator runs as a subprocess (`kiln operator --standalone --kubeconfig ...`, so
 its memory is its own, read from /proc), against the emulated API server of the tests
-(tests/kubeemu.py: kmock plus the realism layer) running in this process. Measured:
+(tests/support/kubeemu.py: kmock plus the realism layer) running in this process. Measured:
 
 1. burst: N InferenceModels created at once (N=500; quick: 100), each with its own engine
    key; the time until every build Job exists;
@@ -20,7 +20,6 @@ process), so the figures can be read against what one API round trip costs here.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -35,16 +34,6 @@ REPO = Path(__file__).resolve().parent.parent
 # Services, ConfigMaps, and kopf's own observer of CRDs (in all-namespaces mode).
 WATCHED = ("inferencemodels", "jobs", "pods", "deployments", "services", "configmaps", "customresourcedefinitions")
 TARGETS = {"burst_seconds": 60.0, "p99_seconds": 1.0, "idle_per_model_minute": 1.0, "rss_mb": 250.0}
-
-
-def _emulator_module() -> Any:
-    if "kubeemu" in sys.modules:
-        return sys.modules["kubeemu"]
-    spec = importlib.util.spec_from_file_location("kubeemu", REPO / "tests" / "kubeemu.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kubeemu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _model(ns: str, name: str, version: str) -> dict:
@@ -68,10 +57,11 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def run(quick: bool) -> str:
-    kubeemu = _emulator_module()
     from kiln.operator import builders, main
     from kiln.operator.config import OperatorConfig
     from kiln.runtime.api import spec as specmod
+
+    from support import kubeemu
 
     n_burst = 100 if quick else 500
     n_single = 30 if quick else 60
@@ -267,7 +257,7 @@ def run(quick: bool) -> str:
         "## Operator at scale",
         "",
         f"The real operator (`kiln operator --standalone`, a subprocess) against the emulated API server "
-        f"(tests/kubeemu.py, in the benchmark's process, sharing the machine's cores). {n_burst} InferenceModels "
+        f"(tests/support/kubeemu.py, in the benchmark's process, sharing the machine's cores). {n_burst} InferenceModels "
         f"created at once across {len(namespaces)} namespaces, each with its own engine key; then {n_single} created "
         f"one at a time; then {idle_window:.0f} s idle with every model waiting on its build; then every build "
         f"finishes and every runtime Deployment rolls out (the benchmark plays the Job and Deployment "

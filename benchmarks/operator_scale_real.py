@@ -1,4 +1,4 @@
-"""Operator at scale on the real control plane (tests/localcluster): upstream kube-apiserver,
+"""Operator at scale on the real control plane (tests/support/localcluster): upstream kube-apiserver,
 etcd, the real Job, ReplicaSet, Deployment and garbage-collector controllers, the real
 scheduler and kwok's nodes.
 
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 
 TARGETS = {"burst_seconds": 60.0, "idle_per_model_minute": 1.0, "rss_mb": 250.0}
 
@@ -110,7 +109,7 @@ def _requests_total(cp) -> float:
 
 def bare_cluster(root: Path) -> Any:
     """A control plane with a builder node and a CPU node (big enough for thousands of pods)."""
-    from localcluster.controlplane import ControlPlane, binaries, node
+    from support.localcluster.controlplane import ControlPlane, binaries, node
 
     big = {"cpu": "100000", "memory": "100Ti", "pods": 10000}
     cp = ControlPlane(root, binaries())
@@ -127,9 +126,9 @@ def bare_cluster(root: Path) -> Any:
 def prepare(cp: Any, root: Path, namespaces: list[str]) -> tuple[Any, Path]:
     """The CRD, the operator's identity (the chart's ServiceAccount and RBAC, rendered by
     helm) and namespaces with a cache claim: (the admin's Api, the operator's kubeconfig)."""
-    import localcluster
-    from localcluster.client import Api, wait_for
-    from localcluster.kubelet import Kubelet
+    from support import localcluster
+    from support.localcluster.client import Api, wait_for
+    from support.localcluster.kubelet import Kubelet
     from kiln.runtime.api import spec as specmod
 
     api = Api(cp.admin_kubeconfig)
@@ -158,7 +157,7 @@ def prepare(cp: Any, root: Path, namespaces: list[str]) -> tuple[Any, Path]:
 
 def one_size(n: int, idle_window: float) -> dict[str, Any]:
     from benchmarks.operator_scale import terminate
-    from localcluster.client import wait_for
+    from support.localcluster.client import wait_for
 
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-real-"))
     cp = bare_cluster(root)
@@ -237,7 +236,7 @@ def run(quick: bool) -> str:
         "",
         "The real operator (`kiln operator --standalone`, its own process, with a token of the chart's "
         "ServiceAccount) against upstream kube-apiserver v1.37 and etcd with the real Job, ReplicaSet, "
-        "Deployment and garbage-collector controllers and the real scheduler (tests/localcluster), all sharing "
+        "Deployment and garbage-collector controllers and the real scheduler (tests/support/localcluster), all sharing "
         "this machine's cores. N models created at once across 10 namespaces, each with its own engine key. The "
         "benchmark plays only the kubelet: build pods succeed at once with a build result as their termination "
         "message, runtime pods go Ready at once, so the times are the control loop's, not a build's. Idle: "

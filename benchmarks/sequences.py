@@ -7,7 +7,7 @@ sequences of 100 and 1,000 steps; and the per-step overhead of storing state, fo
 
 Everything real but the HTTP hop: `SequenceManager.step` (runtime/serving/sequences/) over ONNX
 Runtime sessions of models made with onnx.helper, and Debian's `redis-server` on loopback
-(tests/runtime/sequence_models.py starts it: no persistence, a free port).
+(tests/support/sequence_models.py starts it: no persistence, a free port).
 
 - Resume: an autoregressive model (`token` + `past` [1, 1024] -> `present`, `logits`
   [1, 1024], one token per step). A sequence runs N steps on replica A (a manager); replica
@@ -24,22 +24,17 @@ Runtime sessions of models made with onnx.helper, and Debian's `redis-server` on
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "runtime"))
 
-from sequence_models import (RedisServer, autoregressive_model, redis_server_binary,  # noqa: E402
-                             with_defaults)
-
-from kiln.runtime.serving.sequences.manager import SequenceManager  # noqa: E402
-from kiln.runtime.serving.sequences.spec import SequenceSpec  # noqa: E402
-from kiln.runtime.serving.sequences.stores import RedisStore  # noqa: E402
+from kiln.runtime.serving.sequences.manager import SequenceManager
+from kiln.runtime.serving.sequences.spec import SequenceSpec
+from kiln.runtime.serving.sequences.stores import RedisStore
+from support.sequence_models import RedisServer, autoregressive_model, redis_server_binary, with_defaults
 
 HIDDEN = VOCAB = 1024
 

@@ -1,5 +1,5 @@
-"""The real tier: one upstream control plane per test session (tests/localcluster), Kiln
-installed from its chart with the real helm, a namespace per test.
+"""The real tier: one upstream control plane per test session (tests/support/localcluster),
+Kiln installed from its chart with the real helm, a namespace per test.
 
 Everything listens on 127.0.0.1 and pods get 127.x addresses: nothing leaves the machine.
 Skipped, with the reason, only where the control plane cannot run: no Go toolchain to build
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -20,11 +19,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import localcluster  # noqa: E402
-from localcluster.client import Api  # noqa: E402
-from localcluster.controlplane import REPO  # noqa: E402
+from support import localcluster
+from support.localcluster.client import Api
+from support.localcluster.controlplane import REPO
 
 # `make e2e-docs`: the kubectl sessions the tests show replace what stands between the
 # markers in docs/e2e.md (only after a run with no failure).

@@ -1,6 +1,6 @@
 """Kiln on a real control plane: upstream kube-apiserver, controllers and scheduler, installed
 with helm from its own chart, the operator running with the chart's ServiceAccount, build
-and runtime pods running the real `kiln build` and `kiln serve` (tests/localcluster).
+and runtime pods running the real `kiln build` and `kiln serve` (tests/support/localcluster).
 
 The tests run in file order and share the cluster; each uses its own namespace. The last one
 upgrades and uninstalls the release.
@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import yaml
 
-import snippets
 from kiln.operator import builders
-from localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
-from localcluster.client import Api, dump, pods, ready, wait_for
-from localcluster.controlplane import A100, REPO, gateway_api_crds
+
+from support import snippets
+from support.localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
+from support.localcluster.client import Api, dump, pods, ready, wait_for
+from support.localcluster.controlplane import A100, REPO, gateway_api_crds
 
 pytestmark = pytest.mark.e2e
 
@@ -377,7 +378,7 @@ def demo_models(cluster, api, namespace: str) -> Path:
 
 def pod_discovery(cluster, namespace: str):
     """The namespace's pods served to Prometheus over http_sd (Debian's has no Kubernetes SD)."""
-    import monitoring
+    from support import monitoring
 
     cp = cluster.control_plane
     return monitoring.PodDiscovery(cp.server, [namespace], ca_file=str(cp.ca), cert_file=str(cp.root / "pki" / "admin.crt"),
@@ -442,7 +443,7 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
     import base64
     import time
 
-    import monitoring
+    from support import monitoring
 
     if monitoring.unavailable():
         pytest.skip(monitoring.unavailable())
@@ -658,8 +659,8 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
     the operator queries at every step; the HTTPRoute's weights follow the steps."""
     import time
 
-    import monitoring
-    from localcluster import PROMETHEUS_PORT
+    from support import monitoring
+    from support.localcluster import PROMETHEUS_PORT
 
     if monitoring.unavailable():
         pytest.skip(monitoring.unavailable())
@@ -689,7 +690,7 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
 
     discovery = pod_discovery(cluster, namespace)
     prom = monitoring.Prometheus(tmp_path / "prom", scrape_configs=[monitoring.pod_http_sd_scrape_config(discovery.url)])
-    prom.port = PROMETHEUS_PORT  # where the chart's --prometheus-url points (tests/localcluster)
+    prom.port = PROMETHEUS_PORT  # where the chart's --prometheus-url points (tests/support/localcluster)
     status = lambda: api.status(namespace, "iris")  # noqa: E731
     try:
         prom.start()

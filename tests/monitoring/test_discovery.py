@@ -1,5 +1,5 @@
-"""Pod discovery against the real control plane (tests/localcluster): pods created through the
-real API server, their IPs given by kwok, found by `PodDiscovery` and relabelled by the
+"""Pod discovery against the real control plane (tests/support/localcluster): pods created
+through the real API server, their IPs given by kwok, found by `PodDiscovery` and relabelled by the
 PodMonitor-like config in Debian's Prometheus, which scrapes a metrics endpoint listening
 on the pod's own 127.x address.
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-import monitoring
-from monitoring import PodDiscovery, Prometheus, pod_http_sd_scrape_config
-from monitoring.discovery import pod_targets
+from support import monitoring
+from support.monitoring import PodDiscovery, Prometheus, pod_http_sd_scrape_config
+from support.monitoring.discovery import pod_targets
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -74,7 +74,7 @@ def control_plane(tmp_path_factory):
     reason = _unavailable()
     if reason:
         pytest.skip(reason)
-    from localcluster.controlplane import ControlPlane, binaries, node
+    from support.localcluster.controlplane import ControlPlane, binaries, node
 
     started = time.monotonic()
     cp = ControlPlane(tmp_path_factory.mktemp("cp"), binaries())
@@ -89,7 +89,7 @@ def control_plane(tmp_path_factory):
 def test_prometheus_scrapes_pods_it_found_through_the_api_server(tmp_path, control_plane):
     import json
 
-    from localcluster.client import Api, wait_for
+    from support.localcluster.client import Api, wait_for
 
     cp = control_plane
     api = Api(cp.admin_kubeconfig)

@@ -17,13 +17,14 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-import monitoring
-import snippets
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.commands.demo import http, wait_ready
-from monitoring import (Alertmanager, ConfigError, Prometheus, WebhookRecorder, kiln_alertmanager_config,
-                        operator_scrape_config, pod_http_sd_scrape_config, pod_scrape_config, static_scrape_config)
-from monitoring.process import check_config, die_with_parent, free_port
+
+from support import monitoring, snippets
+from support.monitoring import (Alertmanager, ConfigError, Prometheus, WebhookRecorder, kiln_alertmanager_config,
+                                operator_scrape_config, pod_http_sd_scrape_config, pod_scrape_config,
+                                static_scrape_config)
+from support.monitoring.process import check_config, die_with_parent, free_port
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -1,6 +1,6 @@
 """Fixtures for the operator's API-level tests: the emulated API server and the real operator.
 
-The emulator (tests/kubeemu.py) runs in its own thread and event loop; the operator (the
+The emulator (tests/support/kubeemu.py) runs in its own thread and event loop; the operator (the
 real kopf, the real kubernetes client, `kiln.operator.main.serve`) in another; the tests
 talk to the emulator over HTTP with the same client a user's tooling would use.
 """
@@ -8,9 +8,7 @@ talk to the emulator over HTTP with the same client a user's tooling would use.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,23 +16,8 @@ from typing import Any, Callable
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # tests/: the monitoring harness (real Prometheus)
-
-from monitoring.process import free_port  # noqa: E402
-
-
-def _load_emulator():
-    if "kubeemu" in sys.modules:
-        return sys.modules["kubeemu"]
-    spec = importlib.util.spec_from_file_location("kubeemu", HERE.parent / "kubeemu.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kubeemu"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-kubeemu = _load_emulator()
+from support import kubeemu
+from support.monitoring.process import free_port
 
 
 def wait_for(what: Callable[[], Any], timeout: float = 15, message: str = "") -> Any:
@@ -163,7 +146,7 @@ def start_operator(cluster):
 def prometheus(tmp_path_factory):
     """A real Prometheus (Debian's) for canary analysis, with nothing to scrape: the tests'
     checks are PromQL over constants and absent series. None where it is not installed."""
-    import monitoring
+    from support import monitoring
 
     if monitoring.unavailable():
         yield None

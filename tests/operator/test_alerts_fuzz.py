@@ -10,7 +10,7 @@ are no UTF-8); Authorization headers of any bytes; arbitrary header lines. For e
 example: no 5xx; a 4xx has the body {"error": "<string>"}; the API server saw no write but
 merge patches of InferenceModels that an alert of the payload names, in a watched
 namespace. After each test: no error or traceback in the log, and a valid alert still
-applies. The profiles: tests/fuzzing.py.
+applies. The profiles: tests/support/fuzzing.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite
-
 from kiln.operator import alerts, signals as sig
 from kiln.runtime.api.contract import API_VERSION, GROUP, KIND, PLURAL
+
+from support.fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""The emulated API server's realism layer (tests/kubeemu.py), through the real client."""
+"""The emulated API server's realism layer (tests/support/kubeemu.py), through the real client."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from kiln.operator.config import OperatorConfig
 from kiln.runtime.api import contract
 from kiln.runtime.api import spec as specmod
 
-import kubeemu  # conftest loaded it: the emulator the fixtures run
+from support import kubeemu  # the emulator the fixtures run (its ApiError)
 
 NS, NAME = "refused", "iris"
 DENIED = 'admission webhook "images.policy.example.com" denied the request: images must come from registry.example.com'

@@ -21,8 +21,9 @@ import pytest
 from kiln.runtime.serving.workers.supervisor import default_workers, parse_workers
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
-from .test_server import (NAME, Built, ServerThread, assert_matches, build_cpu_engine,
-                          json_inputs, neg_model, sample)
+from support.metrics import wait_for_metric
+from support.serving import (NAME, Built, ServerThread, assert_matches, build_cpu_engine, json_inputs,
+                             neg_model, sample)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -231,7 +232,8 @@ def test_sigterm_drains_every_front_end_then_the_engine(built, tmp_path, kiln_pr
         client.infer({"inputs": json_inputs(inputs)}))) for _ in range(4)]
     for s in senders:
         s.start()
-    time.sleep(0.5)  # in the engine's batching queue (1.5 s delay)
+    wait_for_metric(f"http://127.0.0.1:{client.port}", "kiln_queue_depth", {"model": NAME},
+                    lambda depth: depth == 4)  # in the engine's batching queue (1.5 s delay)
     p.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     # While draining, a front end refuses new work the way the single process does.

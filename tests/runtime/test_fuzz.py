@@ -1,7 +1,7 @@
 """Property-based tests (Hypothesis) of the v2 endpoints against the real server (issue 11,
 item 10: fuzzing in CI; issue 19, item 7: gRPC and the tenant headers).
 
-One real `InferenceServer` per module (test_server.py's ONNX model, real cache, real socket,
+One real `InferenceServer` per module (support.serving's ONNX model, real cache, real socket,
 its own event loop in a thread), driven with http.client, and with raw sockets where the
 bytes of the request itself are fuzzed. Strategies: arbitrary JSON values as the body
 (recursive; integers past Python's int-str limit, NaN and infinities, deep nesting written
@@ -20,8 +20,8 @@ headers: the same (name, value) pairs over HTTP and gRPC metadata give the same 
 the same refusal, two values that differ anywhere are two tenants, and any bytes in them
 over HTTP are never a 5xx. Throughout: never a traceback in the log, from any logger.
 
-Bounded for CI by the profiles in tests/fuzzing.py; `max_examples` per test keeps the file
-under a minute on two cores.
+Bounded for CI by the profiles in tests/support/fuzzing.py; `max_examples` per test keeps the
+file under a minute on two cores.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import http.client
 import itertools
 import json
 import logging
-import sys
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,22 +40,18 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_http, test_server
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fuzzing
-
-from fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite  # noqa: E402
-
-from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS,  # noqa: E402
-                          NAME, Answer, Built, ServerThread, assert_still_serves, http_request,
-                          json_inputs, raw_exchange, sample)
-from sequence_models import RNN_STATES, rnn_model, with_defaults  # noqa: E402
-from test_server import assert_matches, build_cpu_engine  # noqa: E402
-
-from kiln.runtime.serving.grpc import grpc_service_pb2 as pb  # noqa: E402
-from kiln.runtime.serving.grpc.endpoint import CODES, CONTENTS_FIELD  # noqa: E402
-from kiln.runtime.serving.rest.server import HTTP_STATUS  # noqa: E402
-from kiln.runtime.serving.protocol import (decode_infer_response,  # noqa: E402
+from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
+from kiln.runtime.serving.grpc.endpoint import CODES, CONTENTS_FIELD
+from kiln.runtime.serving.rest.server import HTTP_STATUS
+from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
                                    encode_infer_request)
+
+from support.fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite
+from support.hostile_http import (HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS, Answer,
+                                  assert_still_serves, http_request, raw_exchange)
+from support.sequence_models import RNN_STATES, rnn_model, with_defaults
+from support.serving import (NAME, Built, ServerThread, assert_matches, build_cpu_engine, json_inputs,
+                             sample)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,7 +135,7 @@ def server(built, tracebacks):
     srv.close()
 
 
-# -- JSON values, with what json.dumps cannot write (tests/fuzzing.py) -------------------
+# -- JSON values, with what json.dumps cannot write (tests/support/fuzzing.py) -----------
 
 V2_WORDS = ["inputs", "outputs", "name", "shape", "datatype", "data", "parameters", "id",
             "binary_data_size", "binary_data", "binary_data_output", "shared_memory_region",

@@ -1,5 +1,5 @@
 """The v2 gRPC endpoint end to end: Triton's own client (tritonclient.grpc) against a real
-InferenceServer serving test_server's real ONNX model, answers compared with ONNX Runtime
+InferenceServer serving support.serving's real ONNX model, answers compared with ONNX Runtime
 run directly; the same dataplane as HTTP (batching across both, one set of metrics, the
 same messages); no mocks.
 """
@@ -21,8 +21,8 @@ from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 tritonclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from .test_server import (NAME, Built, ServerThread, assert_matches, json_inputs,  # noqa: E402
-                          sample)
+from support.metrics import wait_for_metric  # noqa: E402
+from support.serving import NAME, Built, ServerThread, assert_matches, json_inputs, sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
@@ -317,9 +317,9 @@ def test_overload_is_resource_exhausted(built):
             except InferenceServerException as e:
                 answers.append(e)
         senders = [threading.Thread(target=send) for _ in range(2)]
-        for t in senders:
-            t.start()
-            time.sleep(0.1)
+        senders[0].start()
+        wait_for_metric(srv.url, "kiln_queue_depth", {"model": NAME}, lambda depth: depth == 1)
+        senders[1].start()  # the queue's one place is taken
         for t in senders:
             t.join(10)
         errors = [a for a in answers if isinstance(a, InferenceServerException)]
@@ -341,7 +341,8 @@ def test_draining_is_unavailable_and_in_flight_requests_finish(built):
         result: list = []
         in_flight = threading.Thread(target=lambda: result.append(infer(srv, inputs)))
         in_flight.start()
-        time.sleep(0.4)  # queued: the batch waits 1.5 s
+        # Queued: the batch waits 1.5 s.
+        wait_for_metric(srv.url, "kiln_queue_depth", {"model": NAME}, lambda depth: depth == 1)
         drained = asyncio.run_coroutine_threadsafe(srv.server.shutdown(5.0), srv.loop)
         time.sleep(0.2)
         with client(srv) as c:

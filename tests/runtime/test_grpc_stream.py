@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -35,10 +34,8 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from .test_server import NAME, Built, assert_matches, sample  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sequence_models import RNN_STATES, RedisServer, redis_server_binary, rnn_model  # noqa: E402
+from support.sequence_models import RNN_STATES, RedisServer, redis_server_binary, rnn_model  # noqa: E402
+from support.serving import NAME, Built, assert_matches, sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,

@@ -2,7 +2,7 @@
 client's mistake).
 
 Each case is sent over a real socket to a real `InferenceServer` serving a real ONNX model
-(test_server.py's), with aiohttp's client for bodies and raw sockets for HTTP that no client
+(support.serving's), with aiohttp's client for bodies and raw sockets for HTTP that no client
 library sends. Every case must get a 4xx whose Content-Type is application/json and whose
 body is `{"error": "<message of at most 1 KiB>"}`; the server's log ("kiln" and "aiohttp"
 loggers) may hold at most one short line for it and no traceback; and afterwards a valid
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hostile_http, test_server
+from kiln.runtime.serving.protocol import HEADER_LENGTH, encode_infer_request
 
-from hostile_http import (HEADER_LENGTH, HOSTILE_MAX_BODY, INFER, Built, ServerThread,
-                          aiohttp_post, assert_client_error, assert_still_serves,
-                          client_error_log_problems, http_request, json_inputs,
-                          raw_exchange, sample, strict_json)  # noqa: E402
-
-from kiln.runtime.serving.protocol import encode_infer_request  # noqa: E402
+from support.hostile_http import (HOSTILE_MAX_BODY, INFER, aiohttp_post, assert_client_error,
+                                  assert_still_serves, client_error_log_problems, http_request,
+                                  raw_exchange, strict_json)
+from support.serving import Built, ServerThread, json_inputs, sample
 
 pytestmark = pytest.mark.timeout(60)
 

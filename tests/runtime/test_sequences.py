@@ -16,7 +16,6 @@ import asyncio
 import http.client
 import json
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,24 +23,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kiln.runtime.serving.refusals import Kind
+from kiln.runtime.engine.backends.base import TensorSpec
+from kiln.runtime.serving.protocol import decode_infer_response
 
-from sequence_models import (AR_STATES, RNN_STATES, RedisServer,  # noqa: E402
-                             autoregressive_model, redis_server_binary, reference_autoregressive,
-                             rnn_model, with_defaults)
-
-from kiln.runtime.serving.refusals import Kind  # noqa: E402
-from kiln.runtime.serving.sequences import stores  # noqa: E402
-from kiln.runtime.serving.sequences.codec import (TOKEN_BYTES, TOKEN_OFFSET,  # noqa: E402
-                                                  CorruptState, StoredState, decode_state,
-                                                  encode_state)
-from kiln.runtime.serving.sequences.manager import SequenceManager  # noqa: E402
-from kiln.runtime.serving.sequences.params import (MAX_TENANT_BYTES, SequenceError,  # noqa: E402
-                                                   SequenceParams, parse_parameters, tenant_hash,
-                                                   tenant_of)
-from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec, check_pairs  # noqa: E402
-from kiln.runtime.engine.backends.base import TensorSpec  # noqa: E402
-from kiln.runtime.serving.protocol import decode_infer_response  # noqa: E402
+from kiln.runtime.serving.sequences import stores
+from kiln.runtime.serving.sequences.codec import (TOKEN_BYTES, TOKEN_OFFSET, CorruptState, StoredState,
+                                                  decode_state, encode_state)
+from kiln.runtime.serving.sequences.manager import SequenceManager
+from kiln.runtime.serving.sequences.params import (MAX_TENANT_BYTES, SequenceError, SequenceParams,
+                                                   parse_parameters, tenant_hash, tenant_of)
+from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec, check_pairs
+from support.sequence_models import (AR_STATES, RNN_STATES, RedisServer, autoregressive_model,
+                                     redis_server_binary, reference_autoregressive, rnn_model,
+                                     with_defaults)
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="needs redis-server (make redis)")

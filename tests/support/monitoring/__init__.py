@@ -4,8 +4,8 @@
 configs checked by promtool/amtool first; `configs` builds the scrape configs a PodMonitor
 or ServiceMonitor would produce and the Alertmanager route users paste; `PodDiscovery` finds
 pods through a real API server for a Prometheus without Kubernetes discovery (Debian's);
-`WebhookRecorder` records what Alertmanager posts. Importable like localcluster, with tests/ on
-sys.path (benchmarks insert it; tests/monitoring/conftest.py does for the tests).
+`WebhookRecorder` records what Alertmanager posts. Imported as `support.monitoring` (see
+tests/support/__init__.py); its own tests are in tests/monitoring/.
 """
 
 from .alertmanager import Alertmanager

@@ -29,7 +29,7 @@ import yaml
 
 from . import certs
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # tests/support/localcluster/
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.96.0.0/16"  # addresses only written into objects, never sent to
 KWOK_POD_CIDR = "127.20.0.0/16"  # pods kwok fakes (none of Kiln's)

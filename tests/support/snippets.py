@@ -1,13 +1,13 @@
 """The code blocks of Kiln's docs, read as a reader copies them, so that tests check each with
-its own tool (amtool, kubectl, a shell) instead of a restated copy. Importable with tests/
-on sys.path, like localcluster and monitoring.
+its own tool (amtool, kubectl, a shell) instead of a restated copy. Imported as
+`support.snippets`, like the other helpers in tests/support/.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 
 

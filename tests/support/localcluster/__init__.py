@@ -3,7 +3,8 @@ controller-manager and scheduler, etcd, kwok's fake GPU nodes, the kubelet harne
 pods that do real work, the Gateway API's CRDs (standard channel), and Kiln installed from
 its own chart with the real helm.
 
-Used by the real tier of the tests (tests/e2e) and by `make cluster` (`python -m localcluster`).
+Used by the real tier of the tests (tests/e2e) and by `make cluster` (`python -m support.localcluster`,
+from tests/).
 """
 
 from __future__ import annotations

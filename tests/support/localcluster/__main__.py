@@ -1,8 +1,10 @@
 """`make cluster` / `make cluster-down`: a local control plane with Kiln installed, left running.
 
-    python -m localcluster start   # start in the background, print the KUBECONFIG to export
-    python -m localcluster stop    # stop it and remove its state
-    python -m localcluster run     # in the foreground until Ctrl-C
+From tests/ (where `support` is importable):
+
+    python -m support.localcluster start   # start in the background, print the KUBECONFIG to export
+    python -m support.localcluster stop    # stop it and remove its state
+    python -m support.localcluster run     # in the foreground until Ctrl-C
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from . import LocalCluster
 from .controlplane import REPO
 
 STATE = REPO / ".kiln" / "cluster"
+TESTS = REPO / "tests"  # the folder `python -m support.localcluster` runs from
 PID, READY, FAILED = STATE / "pid", STATE / "ready", STATE / "failed"
 
 
@@ -52,7 +54,7 @@ def start(timeout: float) -> int:
     shutil.rmtree(STATE, ignore_errors=True)
     STATE.mkdir(parents=True)
     log = open(STATE / "cluster.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "localcluster", "run"], cwd=Path(__file__).parent.parent,
+    proc = subprocess.Popen([sys.executable, "-m", "support.localcluster", "run"], cwd=TESTS,
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     PID.write_text(str(proc.pid))
     deadline = time.monotonic() + timeout
@@ -89,7 +91,7 @@ def stop() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m localcluster", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m support.localcluster", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["start", "stop", "run"])
     parser.add_argument("--timeout", type=float, default=600, help="seconds `start` waits for the cluster")
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 requests, a raw-socket HTTP client for what no HTTP library sends, and the checks every
 answer to a client's mistake must pass.
 
-The server is test_server.py's: the same ONNX model built into a real cache and served by
+The server is support.serving's: the same ONNX model built into a real cache and served by
 `InferenceServer` on 127.0.0.1 (its own event loop in a thread), with a body limit large
 enough for the hostile bodies (1 MiB names, 100k-deep nesting).
 """
@@ -12,25 +12,17 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
-HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-from test_server import (NAME, Built, ServerThread, assert_matches,  # noqa: E402
-                         json_inputs, sample)
-
-from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,  # noqa: E402
+from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
                                    encode_infer_request)
 
-__all__ = ["NAME", "Built", "ServerThread", "json_inputs", "sample", "HEADER_LENGTH",
-           "INFER", "HOSTILE_MAX_BODY", "MAX_ERROR_CHARS", "Answer", "raw_exchange",
+from .serving import NAME, Built, assert_matches, json_inputs, sample
+
+__all__ = ["INFER", "HOSTILE_MAX_BODY", "MAX_ERROR_CHARS", "Answer", "raw_exchange",
            "http_request", "aiohttp_post", "assert_client_error", "assert_still_serves",
            "client_error_log_problems", "strict_json"]
 
