@@ -36,7 +36,7 @@ from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import ServedModel
 from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
                                    encode_infer_request)
-from kiln.runtime.serving.rest.server import InferenceServer
+from kiln.runtime.serving.servers import InferenceServer
 
 pytestmark = pytest.mark.timeout(60)
 
