@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kiln.runtime.serving.dataplane import DEFAULT_MAX_REQUEST_BYTES, Dataplane
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import Model
 from kiln.runtime.serving.rest.connections import ConnectionLimits
 from kiln.runtime.serving.rest.server import DEFAULT_BODY_TIMEOUT, RestServer, address
+
+if TYPE_CHECKING:  # imported by start(), only when gRPC is served (grpcio)
+    from kiln.runtime.serving.grpc.endpoint import GrpcEndpoint
 
 log = logging.getLogger("kiln.runtime.serving.servers")
 
@@ -52,13 +55,9 @@ class InferenceServer:
         self.dataplane = dataplane
         self.rest = RestServer(dataplane, body_timeout=body_timeout, limits=limits,
                                local_only=local_only)
-        self._grpc = None  # grpc.endpoint.GrpcEndpoint while started with a grpc_port
+        self._grpc: GrpcEndpoint | None = None  # while started with a grpc_port
         self.url: str | None = None
         self.grpc_address: str | None = None  # host:port of the gRPC endpoint, when started
-
-    @property
-    def draining(self) -> bool:
-        return self.dataplane.draining
 
     async def start(self, host: str = "0.0.0.0", port: int | None = 8080,
                     grpc_port: int | None = None, *, reuse_port: bool = False) -> str | None:
@@ -70,13 +69,13 @@ class InferenceServer:
         if grpc_port is not None:
             from kiln.runtime.serving.grpc.endpoint import GrpcEndpoint  # grpcio only when serving it
 
+            endpoint = GrpcEndpoint(self.dataplane)
             try:
-                self._grpc = GrpcEndpoint(self.dataplane)
-                bound = await self._grpc.start(host, grpc_port)
+                bound = await endpoint.start(host, grpc_port)
             except BaseException:
-                self._grpc = None
                 await self.rest.stop()
                 raise
+            self._grpc = endpoint
             self.grpc_address = address(host, bound)
             log.info("gRPC listening on %s:%s", host or "0.0.0.0", bound)
         self.dataplane.start_loading()
