@@ -163,7 +163,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
     from kiln.runtime.serving.process import run_event_loop, run_until_stopped
-    from kiln.runtime.serving.rest.server import InferenceServer
+    from kiln.runtime.serving.servers import InferenceServer
 
     failed: list[str] = []
 

@@ -17,7 +17,7 @@ from kiln.runtime.api.contract import API_VERSION, CACHE_DIR as DEFAULT_CACHE_DI
 from kiln.runtime.api.contract import GRPC_PORT as DEFAULT_GRPC_PORT
 from kiln.runtime.api.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 DEFAULT_DRAIN_SECONDS = 30.0
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as server.DEFAULT_MAX_BODY_BYTES
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # same as dataplane.DEFAULT_MAX_REQUEST_BYTES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel, parse_engines
     from kiln.runtime.serving.process import configure_logging, event_loop_choice, run_event_loop, run_until_stopped
-    from kiln.runtime.serving.rest.server import InferenceServer
+    from kiln.runtime.serving.servers import InferenceServer
 
     configure_logging(args.log_level)
     try:

@@ -1,5 +1,10 @@
 """The served model: pick this pod's engine, verify it, load it, warm it up, then be ready.
 
+A request flows door (rest/, grpc/) -> dataplane (`dataplane.Dataplane`) -> model (a
+`Model`: `ServedModel` here, or a front-end process's `workers.front_end.RemoteModel`) ->
+scheduler (batching, the queue, the engine's execution contexts). `Model` is all the
+dataplane asks of a model, wherever it runs.
+
 `ServedModel.load()` runs in a background task after the HTTP server is listening, so
 liveness answers during a long load and readiness stays false until warm-up is done. A
 load failure (no engine for this GPU, an integrity error, a backend error) keeps the model
@@ -24,18 +29,64 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from kiln.runtime.engine.backends.base import DATATYPES, ShapeRange, TensorSpec
+from kiln.runtime.engine.backends.base import DATATYPES, LoadedEngine, ShapeRange, TensorSpec
 from kiln.runtime.api.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 from kiln.runtime.api.enginekey import CPU_TARGET, normalize_target
 from kiln.runtime.serving.metrics import ServerMetrics
 
+if TYPE_CHECKING:  # imported where used: a front-end process needs none of them
+    from kiln.runtime.engine.cache import Manifest
+    from kiln.runtime.serving.scheduling.scheduler import Scheduler
+    from kiln.runtime.serving.sequences.manager import SequenceManager
+
 log = logging.getLogger("kiln.runtime.serving.model")
 
 LOADING, READY, FAILED, UNHEALTHY, STOPPED = "loading", "ready", "failed", "unhealthy", "stopped"
+
+
+class Model(Protocol):
+    """What the dataplane asks of a model, wherever it runs: `ServedModel` in this process,
+    or a front end's `RemoteModel`, which answers from the engine process's pushed state."""
+
+    name: str
+
+    @property
+    def version(self) -> str: ...
+    @property
+    def state(self) -> str: ...  # LOADING, READY, FAILED, UNHEALTHY or STOPPED
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def serving(self) -> bool: ...  # takes requests (an unhealthy model still does)
+    @property
+    def loaded(self) -> bool: ...  # has an engine to describe in metadata
+    @property
+    def platform(self) -> str | None: ...
+    @property
+    def inputs(self) -> list[TensorSpec]: ...
+    @property
+    def outputs(self) -> list[TensorSpec]: ...
+    @property
+    def profiles(self) -> Mapping[str, ShapeRange]: ...
+    @property
+    def max_rows(self) -> int | None: ...  # the largest batch one request may carry
+
+    def status_message(self) -> str: ...
+
+    async def admit(self) -> None:
+        """Wait for room in the model's queue, where waiting is this process's to do."""
+
+    async def infer(self, inputs: dict[str, np.ndarray],
+                    parameters: Mapping[str, Any] | None = None,
+                    tenant: str = "") -> dict[str, np.ndarray]: ...
+
+    async def load(self) -> bool: ...
+
+    async def close(self, drain_timeout: float) -> None: ...
 
 
 class ModelLoadError(Exception):
@@ -172,7 +223,7 @@ class ServedModel:
     def __init__(self, name: str, version: str, cache_dir: str | os.PathLike,
                  engines: Mapping[str, str], runtime_spec: Mapping[str, Any],
                  metrics: ServerMetrics, *, target: str | None = None,
-                 scheduler_factory: Callable[..., Any] = _default_scheduler,
+                 scheduler_factory: Callable[..., "Scheduler"] = _default_scheduler,
                  clock: Callable[[], float] = time.monotonic,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT_SECONDS,
                  reader: Callable[[str], Any] | None = None):
@@ -197,11 +248,11 @@ class ServedModel:
         self.state = LOADING
         self.error: str | None = None
         self.target: str | None = None
-        self.manifest: Any = None  # cache.Manifest once read
-        self.engine: Any = None  # the backend's LoadedEngine
-        self.scheduler: Any = None  # the Scheduler (or what scheduler_factory makes)
+        self.manifest: Manifest | None = None
+        self.engine: LoadedEngine | None = None
+        self.scheduler: Scheduler | None = None
         # spec.runtime.sequences: the manager once loaded (runtime/serving/sequences/manager.py), else None.
-        self.sequences: Any = None
+        self.sequences: SequenceManager | None = None
         self._state_tensors: frozenset[str] = frozenset()
         self.timings: dict[str, float] = {}
         metrics.model_ready.labels(model=name).set_function(lambda: float(self.ready))
@@ -212,7 +263,7 @@ class ServedModel:
     def ready(self) -> bool:
         if self.state not in (READY, UNHEALTHY):
             return False
-        healthy = bool(getattr(self.scheduler, "healthy", True))
+        healthy = self.scheduler.healthy if self.scheduler is not None else True
         new_state = READY if healthy else UNHEALTHY
         if new_state != self.state:
             # Logged on the flip only: readiness is polled every few seconds.
@@ -228,6 +279,15 @@ class ServedModel:
         """Loaded and not stopped. An unhealthy model still takes requests: readiness keeps
         traffic away, and the next batch that succeeds is what makes it healthy again."""
         return self.state in (READY, UNHEALTHY) and self.scheduler is not None
+
+    @property
+    def loaded(self) -> bool:
+        """An engine to describe: kept after a stop, dropped when the load failed."""
+        return self.engine is not None
+
+    @property
+    def max_rows(self) -> int | None:
+        return self.scheduler.max_rows if self.scheduler is not None else None
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -399,6 +459,13 @@ class ServedModel:
             log.warning("model %s: GPU metrics unavailable: %s", self.name, _describe(e))
 
     # -- serve -------------------------------------------------------------------------
+
+    async def admit(self) -> None:
+        """Wait for a place in a full queue. Not with a result cache: a hit needs no place,
+        and a miss is refused by the queue itself."""
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler.cache is None:
+            await scheduler.wait_for_room()
 
     async def infer(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any] | None = None,
                     tenant: str = "") -> dict[str, np.ndarray]:

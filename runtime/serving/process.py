@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 if TYPE_CHECKING:
-    from kiln.runtime.serving.rest.server import InferenceServer
+    from kiln.runtime.serving.servers import InferenceServer
 
 log = logging.getLogger("kiln.runtime.server")
 
@@ -95,7 +95,7 @@ async def run_until_stopped(server: "InferenceServer", host: str, port: int,
             task.cancel()
         if front_ends is not None:
             started = time.monotonic()
-            server.draining = True  # gRPC here refuses new work while the workers drain
+            server.dataplane.draining = True  # gRPC here refuses new work while the workers drain
             await front_ends.stop(drain_seconds)
             drain_seconds = max(0.0, drain_seconds - (time.monotonic() - started))
         return await server.shutdown(drain_seconds)

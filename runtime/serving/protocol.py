@@ -1,7 +1,9 @@
 """Open Inference Protocol (v2) tensors: decode requests, check them, encode responses.
 
-Pure functions over bytes, dicts and numpy arrays, no I/O: the server's endpoints call
-them, and they are tested without a socket. Both encodings are handled:
+Pure functions over bytes, dicts and numpy arrays, no I/O: the doors call them (a request
+flows door -> dataplane -> model -> scheduler; the HTTP door decodes its bodies here, the
+gRPC door its messages with these checks), and they are tested without a socket. Both
+encodings are handled:
 
 - JSON tensors: `{"id", "parameters", "inputs": [{"name", "shape", "datatype", "data"}],
   "outputs": [{"name", "parameters"}]}`, `data` flat or nested in row-major order.

@@ -3,7 +3,8 @@
 The checks (tensors, bounds, tenancy, sequences, admission, readiness) raise `Refusal`
 with a `Kind` and a message for people; REST maps the kind to an HTTP status and gRPC to
 a status code, each from one table (`rest.server.HTTP_STATUS`, `grpc.endpoint.CODES`), so
-the same mistake gets the same answer on every door.
+the same mistake gets the same answer on every door. The request's outcome in
+kiln_requests_total is the kind's too (`OUTCOME`), counted once, by the dataplane.
 """
 
 from __future__ import annotations
@@ -49,6 +50,19 @@ class Refusal(Exception):
         return type(self), (self.kind, self.message, self.retry_after)
 
 
+class ModelUnavailable(Refusal):
+    """A model that cannot answer now (loading, failed, unhealthy, stopping, or the server
+    draining): beside the message, its name and state (REST answers them in the body)."""
+
+    def __init__(self, model: str, state: str, message: str, retry_after: float | None = None):
+        super().__init__(Kind.UNAVAILABLE, message, retry_after)
+        self.model = model
+        self.state = state
+
+    def __reduce__(self):
+        return type(self), (self.model, self.state, self.message, self.retry_after)
+
+
 def invalid(message: str) -> Refusal:
     return Refusal(Kind.INVALID, message)
 
@@ -60,17 +74,22 @@ def cut(message: str) -> str:
     return message
 
 
-def scheduler_refusal(model: str, e: Exception) -> tuple[Kind, str, float | None]:
-    """A scheduler's refusal -> (kind, message, Retry-After seconds or None)."""
+def overloaded(model: str, why: str, retry_after: float) -> Refusal:
+    return Refusal(Kind.OVERLOADED, f"model '{model}' is overloaded: {why}", retry_after)
+
+
+def scheduler_refusal(model: str, e: Exception) -> Refusal:
+    """A scheduler's refusal (raised by `model`'s scheduler, or by the engine process's
+    for a front end) as the Refusal every door answers."""
     from kiln.runtime.serving.scheduling.scheduler import (ExecutionFailed, InvalidBatch,
                                                            Overloaded, ShuttingDown)
 
     if isinstance(e, InvalidBatch):
-        return Kind.INVALID, str(e), None
+        return Refusal(Kind.INVALID, str(e))
     if isinstance(e, ShuttingDown):
-        return Kind.UNAVAILABLE, str(e), e.retry_after
+        return Refusal(Kind.UNAVAILABLE, str(e), e.retry_after)
     if isinstance(e, Overloaded):
-        return Kind.OVERLOADED, f"model '{model}' is overloaded: {e}", e.retry_after
+        return overloaded(model, str(e), e.retry_after)
     if isinstance(e, ExecutionFailed):
-        return Kind.FAILED, f"inference failed: {e}", None
+        return Refusal(Kind.FAILED, f"inference failed: {e}")
     raise TypeError(f"not a scheduler refusal: {e!r}")

@@ -24,7 +24,7 @@ import pytest
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import FAILED, READY, STOPPED, ServedModel
-from kiln.runtime.serving.rest.server import InferenceServer
+from kiln.runtime.serving.servers import InferenceServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -563,7 +563,7 @@ class Served:
     def __init__(self, root: Path, name: str, rel: str, runtime: dict):
         from kiln.runtime.serving.metrics import ServerMetrics
         from kiln.runtime.serving.model import ServedModel
-        from kiln.runtime.serving.rest.server import InferenceServer
+        from kiln.runtime.serving.servers import InferenceServer
 
         self.name = name
         self.loop = asyncio.new_event_loop()

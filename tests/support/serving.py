@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import ServedModel
-from kiln.runtime.serving.rest.server import InferenceServer
+from kiln.runtime.serving.servers import InferenceServer
 
 from .metrics import metric_value
 

@@ -1,10 +1,14 @@
 """The Open Inference Protocol (v2) over gRPC: `inference.GRPCInferenceService`, as KServe
-and Triton define it (runtime/serving/grpc/grpc_service.proto), on its own port beside the HTTP server.
+and Triton define it (runtime/serving/grpc/grpc_service.proto), on its own port beside the
+HTTP server: the gRPC door of the dataplane.
 
-One process, one event loop, one dataplane: a `grpc.aio` server started and stopped by
-`InferenceServer`, whose models, schedulers (a gRPC and an HTTP request are batched
-together), readiness, draining and metrics (`kiln_requests_total` by outcome, the latency
-histogram) it uses as they are. Only the encoding differs:
+A request flows door -> dataplane -> model -> scheduler: this module translates protobuf
+to and from the dataplane's calls (`dataplane.Dataplane`: which model, readiness,
+draining, in-flight tracking and outcome metrics, admission, tenancy from the call's
+metadata, the inference), the same dataplane as the HTTP door's (`servers` starts both on
+it), so a gRPC and an HTTP request are batched together by one scheduler. Each request's
+work is `GrpcEndpoint.infer_message` (a unary ModelInfer's, a stream's). Only the encoding
+differs from HTTP:
 
 - inputs in `raw_input_contents` (what tritonclient sends: one entry per input, in order,
   its little-endian bytes, the exact size its shape and datatype need), or typed in each
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import grpc
 import numpy as np
@@ -34,15 +38,11 @@ from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 from kiln.runtime.serving.grpc.stream import ModelStreamInfer
 from kiln.runtime.serving import protocol
 from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
-from kiln.runtime.serving.model import ServedModel
+from kiln.runtime.serving.dataplane import Dataplane
+from kiln.runtime.serving.model import Model
 from kiln.runtime.serving.protocol import shown
-from kiln.runtime.serving.refusals import NOT_READY_RETRY_AFTER, OUTCOME, Kind, Refusal, cut, scheduler_refusal
+from kiln.runtime.serving.refusals import Kind, Refusal, cut
 from kiln.runtime.serving.refusals import invalid as bad_request
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, Overloaded
-from kiln.runtime.serving.sequences.params import request_tenant
-
-if TYPE_CHECKING:
-    from kiln.runtime.serving.rest.server import InferenceServer  # noqa: F401 (the dataplane, for now)
 
 log = logging.getLogger("kiln.runtime.grpc")
 
@@ -67,22 +67,11 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "in
 _STOP_GRACE_SECONDS = 1.0
 
 
-class _Refused:
-    """A gRPC error to answer (the servicer aborts with it, after the metrics count it)."""
-
-    __slots__ = ("kind", "code", "message", "retry_after")
-
-    def __init__(self, kind: Kind, message: str, retry_after: float | None = None):
-        self.kind = kind
-        self.code = CODES[kind]
-        self.message = cut(message)
-        self.retry_after = retry_after
-
-
-async def _abort(context: grpc.aio.ServicerContext, refused: _Refused) -> None:
-    trailers = () if refused.retry_after is None else (
-        ("retry-after", str(max(1, math.ceil(refused.retry_after)))),)
-    await context.abort(refused.code, refused.message, trailing_metadata=trailers)
+async def _abort(context: grpc.aio.ServicerContext, refusal: Refusal) -> None:
+    """End the call with the refusal's code (raises: the call ends here)."""
+    trailers = () if refusal.retry_after is None else (
+        ("retry-after", str(max(1, math.ceil(refusal.retry_after)))),)
+    await context.abort(CODES[refusal.kind], cut(refusal.message), trailing_metadata=trailers)
 
 
 def _parsing(handler: Callable[[Any, Any], Awaitable[Any]], message_type: Any
@@ -105,24 +94,20 @@ def _parsing(handler: Callable[[Any, Any], Awaitable[Any]], message_type: Any
     return parse_then_handle
 
 
-def _outcome(result: Any) -> str:
-    return OUTCOME[result.kind] if isinstance(result, _Refused) else "success"
-
-
 SERVICE = "inference.GRPCInferenceService"
 
 
 class GrpcEndpoint:
-    """The service's methods, and the `grpc.aio` server they run on."""
+    """The service's methods over one dataplane, and the `grpc.aio` server they run on."""
 
-    def __init__(self, server: "InferenceServer"):
-        self.server = server
+    def __init__(self, dataplane: Dataplane):
+        self.dataplane = dataplane
         self._grpc: grpc.aio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: a free port); returns the port bound. A port that cannot
         be bound is an OSError, as for the HTTP server."""
-        limit = self.server.max_body_bytes
+        limit = self.dataplane.max_request_bytes
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", -1),
@@ -153,7 +138,7 @@ class GrpcEndpoint:
         for method in service.methods:
             if method.client_streaming:
                 methods[method.name] = grpc.stream_stream_rpc_method_handler(
-                    ModelStreamInfer(self.infer_message, lambda: self.server.draining).handle,
+                    ModelStreamInfer(self.infer_message, lambda: self.dataplane.draining).handle,
                     response_serializer=lambda message: message.SerializeToString())
                 continue
             methods[method.name] = grpc.unary_unary_rpc_method_handler(
@@ -172,36 +157,24 @@ class GrpcEndpoint:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        s = self.server
-        return pb.ServerReadyResponse(ready=not s.draining
-                                      and all(m.ready for m in s.models.values()))
+        return pb.ServerReadyResponse(ready=self.dataplane.unready() is None)
 
     async def ModelReady(self, request, context):
-        model = await self._model(request.name, request.version, context)
-        return pb.ModelReadyResponse(ready=not self.server.draining and model.ready)
+        model = await _answered(context, self.dataplane.find_model, request.name,
+                                request.version or None)
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(model))
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name="kiln", version=__version__,
                                          extensions=[protocol.BINARY_EXTENSION])
 
     async def ModelMetadata(self, request, context):
-        model = await self._model(request.name, request.version, context)
-        if model.engine is None:
-            await _abort(context, _Refused(Kind.UNAVAILABLE, self._unavailable(model)))
+        model = await _answered(context, self.dataplane.described_model, request.name,
+                                request.version or None)
         return pb.ModelMetadataResponse(
             name=model.name, versions=[model.version], platform=model.platform or "",
             inputs=[_tensor_metadata(s) for s in model.inputs],
             outputs=[_tensor_metadata(s) for s in model.outputs])
-
-    async def _model(self, name: str, version: str, context) -> ServedModel:
-        try:
-            return self.server.find_model(name, version or None)
-        except Refusal as e:
-            await _abort(context, _Refused(e.kind, e.message))
-            raise  # abort raises; never reached
-
-    def _unavailable(self, model: ServedModel) -> str:
-        return "the server is shutting down" if self.server.draining else model.status_message()
 
     # -- inference ---------------------------------------------------------------------
 
@@ -209,47 +182,31 @@ class GrpcEndpoint:
         try:
             return await self.infer_message(request, context.invocation_metadata() or ())
         except Refusal as e:
-            await _abort(context, _Refused(e.kind, e.message, e.retry_after))
+            await _abort(context, e)
 
     async def infer_message(self, request: pb.ModelInferRequest,
                             metadata: Iterable[tuple[str, str]]) -> pb.ModelInferResponse:
-        """One ModelInferRequest answered, whichever call carried it (ModelInfer, a message
-        of ModelStreamInfer): counted in flight and in the metrics, its tenant read from the
-        call's `metadata`. Raises Refusal."""
-        model = self.server.find_model(request.model_name, request.model_version or None)
-        result = await self.server.track(
-            model, lambda in_scheduler: self._infer(request, model, in_scheduler, metadata),
-            _outcome)
-        if isinstance(result, _Refused):
-            raise Refusal(result.kind, result.message, result.retry_after)
-        return result
-
-    async def _infer(self, request: pb.ModelInferRequest, model: ServedModel,
-                     in_scheduler: list[bool], metadata: Iterable[tuple[str, str]]
-                     ) -> pb.ModelInferResponse | _Refused:
-        if self.server.draining:
-            return _Refused(Kind.UNAVAILABLE, "the server is shutting down; retry on another replica",
-                            NOT_READY_RETRY_AFTER)
-        if not model.serving:
-            return _Refused(Kind.UNAVAILABLE, model.status_message(), NOT_READY_RETRY_AFTER)
-        try:
-            scheduler = model.scheduler
-            if getattr(scheduler, "cache", None) is None and hasattr(scheduler, "wait_for_room"):
-                await scheduler.wait_for_room()
+        """One inference request, whatever call it came in (ModelInfer, a stream):
+        `metadata` is the call's (its tenancy headers). Raises Refusal."""
+        dataplane = self.dataplane
+        model = dataplane.find_model(request.model_name, request.model_version or None)
+        async with dataplane.request(model) as call:
+            await call.admit()
             inputs, outputs = decode_request(request, model.inputs, model.outputs,
                                              model.profiles)
-            in_scheduler.append(True)
             parameters = _parameters(request.parameters)
-            tenant = request_tenant(parameters, lambda: metadata)
-            results = await model.infer(inputs, parameters, tenant)
-        except Refusal as e:
-            return _Refused(e.kind, e.message, e.retry_after)
-        except (InvalidBatch, Overloaded, ExecutionFailed) as e:
-            return _Refused(*scheduler_refusal(model.name, e))
-        missing = [name for name in outputs if name not in results]
-        if missing:
-            return _Refused(Kind.FAILED, f"the engine returned no {', '.join(missing)}")
-        return encode_response(model.name, model.version, request.id, outputs, results)
+            results = await call.infer(inputs, parameters, lambda: metadata, outputs)
+            return encode_response(model.name, model.version, request.id, outputs, results)
+
+
+async def _answered(context: grpc.aio.ServicerContext, find: Callable[..., Model],
+                    *args: Any) -> Model:
+    """`find(*args)`, its Refusal answered as the call's error."""
+    try:
+        return find(*args)
+    except Refusal as e:
+        await _abort(context, e)
+        raise  # abort raises; never reached
 
 
 def _parameters(params) -> dict[str, Any]:

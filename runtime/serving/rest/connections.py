@@ -10,7 +10,7 @@ server facing unknown clients needs and aiohttp leaves open:
 - A request's line and headers must arrive within `header_timeout` seconds (from the
   connection's accept, and from the first byte of each later request on it); an idle
   keep-alive connection is closed after `keepalive_timeout`. The body's own timeout is
-  the infer handler's (`InferenceServer`), which answers 408; a body left unread by an
+  the infer handler's (`RestServer`), which answers 408; a body left unread by an
   answer that closes the connection is drained for at most `lingering_timeout`.
 - A request aiohttp's parser refuses (bad Content-Length, both Content-Length and
   Transfer-Encoding, over-long lines) gets the same `{"error": ...}` JSON body as every

@@ -1,47 +1,62 @@
 """The engine process's end of the front ends: a unix socket they connect to, their
-requests run on the server's models, and their view of the models kept current."""
+requests run on the dataplane's models, and their view of the models kept current.
+
+A front end's request has been through its door and its dataplane already (every check,
+its tracking); here it goes on to the model: `admit` (the queue's wait, which is this
+process's), then `infer`, whose scheduler batches it with every other front end's."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from kiln.runtime.serving.model import ServedModel
 from kiln.runtime.serving.refusals import Refusal
 from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, SchedulerError
 from kiln.runtime.serving.workers.wire import Channel, Segment, pack, unpack
 
+if TYPE_CHECKING:
+    from kiln.runtime.serving.dataplane import Dataplane
+    from kiln.runtime.serving.servers import InferenceServer
+
 _STATE_PERIOD = 0.05
 
 
-def model_state(server: Any) -> dict[str, dict[str, Any]]:
-    """What a front end needs of each model to answer like the engine would."""
+def model_state(models: Mapping[str, ServedModel]) -> dict[str, dict[str, Any]]:
+    """What a front end needs of each model to answer like the engine would (its
+    `RemoteModel` answers from it)."""
     state = {}
-    for name, m in server.models.items():
+    for name, m in models.items():
         ready = m.ready  # evaluated first: it may move the state (unhealthy and back)
         state[name] = {
             "version": m.version, "state": m.state, "ready": ready, "serving": m.serving,
             "message": m.status_message(), "platform": m.platform,
-            "loaded": m.engine is not None, "inputs": m.inputs, "outputs": m.outputs,
-            "profiles": m.profiles, "max_rows": getattr(m.scheduler, "max_rows", None),
-            # Rows a front end may join requests into (None: never): only where the
-            # scheduler batches requests anyway, no result cache looks at each one, and no
-            # request carries a sequence's state.
-            "join_rows": (m.scheduler.max_rows if getattr(m.scheduler, "batches_requests", False)
-                          and m.scheduler.cache is None and getattr(m, "sequences", None) is None
-                          else None)}
+            "loaded": m.loaded, "inputs": m.inputs, "outputs": m.outputs,
+            "profiles": m.profiles, "max_rows": m.max_rows, "join_rows": _join_rows(m)}
     return state
+
+
+def _join_rows(model: ServedModel) -> int | None:
+    """Rows a front end may join requests into (None: never): only where the scheduler
+    batches requests anyway, no result cache looks at each one, and no request carries a
+    sequence's state."""
+    scheduler = model.scheduler
+    if (scheduler is None or not scheduler.batches_requests or scheduler.cache is not None
+            or model.sequences is not None):
+        return None
+    return scheduler.max_rows
 
 
 class EngineHub:
     """The engine process's end: a unix socket the front ends connect to. Runs their
     requests on the server's models and keeps their view of the models current."""
 
-    def __init__(self, server: Any, path: str):
-        self.server = server
+    def __init__(self, server: "InferenceServer", path: str):
+        self.dataplane: Dataplane = server.dataplane
         self.path = path
         self._links: set[_EngineSide] = set()
         self._listener: asyncio.AbstractServer | None = None
@@ -55,13 +70,13 @@ class EngineHub:
         self._listener = await loop.create_unix_server(lambda: _EngineSide(self).channel,
                                                         self.path)
         os.chmod(self.path, 0o600)
-        self.state = model_state(self.server)
+        self.state = model_state(self.dataplane.models)
         self._pusher = asyncio.create_task(self._push_state(), name="front-end state")
 
     async def _push_state(self) -> None:
         while True:
             await asyncio.sleep(_STATE_PERIOD)
-            state = model_state(self.server)
+            state = model_state(self.dataplane.models)
             if state != self.state:
                 self.state = state
                 for link in list(self._links):
@@ -101,11 +116,12 @@ class _EngineSide:
                 task.cancel()
         elif kind == "tally":
             for name, outcome, seconds in message[1]:
-                self.hub.server.record(name, outcome, seconds)
+                self.hub.dataplane.record(name, outcome, seconds)
         elif kind == "metrics":
             from prometheus_client import generate_latest
 
-            self.channel.send(("metrics", message[1], generate_latest(self.hub.server.metrics.registry)))
+            registry = self.hub.dataplane.metrics.registry
+            self.channel.send(("metrics", message[1], generate_latest(registry)))
         elif kind == "hello":
             # Attached, not created: the segment is the front end's, which unlinks it. (Both use
             # one resource tracker, started by this process, which unlinks what a front end
@@ -119,11 +135,9 @@ class _EngineSide:
                      out_room: int, parameters: dict[str, Any] | None, tenant: str) -> None:
         arena = self.arena
         try:
-            model = self.hub.server.models[name]
+            model = self.hub.dataplane.models[name]
             inputs = unpack(arena, descs, copy=False)
-            scheduler = model.scheduler
-            if getattr(scheduler, "cache", None) is None and hasattr(scheduler, "wait_for_room"):
-                await scheduler.wait_for_room()
+            await model.admit()
             results = await model.infer(inputs, parameters, tenant)
             reply = ("ok", rid, pack(arena, out_at, out_room, results)[0])
         except asyncio.CancelledError:

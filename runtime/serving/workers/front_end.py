@@ -1,5 +1,10 @@
-"""A front-end process: the same HTTP handlers over a RemoteModel per model, whose
-inference goes to the engine process through an EngineLink."""
+"""A front-end process: the HTTP door over a dataplane of RemoteModels, whose inference
+goes to the engine process through an EngineLink.
+
+A request flows door (rest.server, here) -> dataplane (`FrontEndDataplane`: every check
+the single process makes, the same code) -> model (`RemoteModel`) -> the engine process
+(workers.engine_side), whose model admits it to its scheduler. Outcomes are tallied to the
+engine, and /metrics is the engine's registry."""
 
 from __future__ import annotations
 
@@ -11,15 +16,15 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from aiohttp import web
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-
+from kiln.runtime.engine.backends.base import ShapeRange, TensorSpec
+from kiln.runtime.serving.dataplane import Dataplane
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import LOADING, STOPPED
 from kiln.runtime.serving.process import run_event_loop, run_until_stopped
+from kiln.runtime.serving.refusals import Kind, Refusal
 from kiln.runtime.serving.rest.connections import ConnectionLimits
-from kiln.runtime.serving.rest.server import InferenceServer, error_response
 from kiln.runtime.serving.scheduling import batching
+from kiln.runtime.serving.servers import InferenceServer
 from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, ShuttingDown
 from kiln.runtime.serving.sequences.params import names_sequence
 from kiln.runtime.serving.workers.wire import SLOT_BYTES, SLOTS, Channel, Segment, pack, unpack
@@ -250,19 +255,9 @@ class EngineLink:
         self.slots.close()
 
 
-class _RemoteScheduler:
-    """What a front end's server asks of a model's scheduler: its batch bound only (the
-    queue and its admission wait are the engine's)."""
-
-    cache = None
-
-    def __init__(self, max_rows: int | None):
-        self.max_rows = max_rows
-
-
 class RemoteModel:
-    """A model served by the engine process, as a front end's InferenceServer sees it: the
-    engine's last pushed state, and inference through the link."""
+    """A model served by the engine process, as a front end's dataplane sees it: the
+    engine's last pushed state (`engine_side.model_state`), and inference through the link."""
 
     def __init__(self, name: str, link: EngineLink):
         self.name = name
@@ -272,25 +267,60 @@ class RemoteModel:
     def _state(self) -> dict[str, Any]:
         return self._link.state.get(self.name) or {"version": "", "state": LOADING}
 
-    version = property(lambda self: self._state["version"])
-    state = property(lambda self: STOPPED if self._link.lost.is_set() else self._state["state"])
-    ready = property(lambda self: bool(self._state.get("ready")) and not self._link.lost.is_set())
-    serving = property(lambda self: bool(self._state.get("serving")) and not self._link.lost.is_set())
-    platform = property(lambda self: self._state.get("platform"))
-    inputs = property(lambda self: self._state.get("inputs") or [])
-    outputs = property(lambda self: self._state.get("outputs") or [])
-    profiles = property(lambda self: self._state.get("profiles") or {})
-    # Metadata answers need only to know an engine is loaded.
-    engine = property(lambda self: True if self._state.get("loaded") else None)
-    scheduler = property(lambda self: _RemoteScheduler(self._state.get("max_rows")))
+    @property
+    def _gone(self) -> bool:
+        return self._link.lost.is_set()
+
+    @property
+    def version(self) -> str:
+        return self._state["version"]
+
+    @property
+    def state(self) -> str:
+        return STOPPED if self._gone else self._state["state"]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._state.get("ready")) and not self._gone
+
+    @property
+    def serving(self) -> bool:
+        return bool(self._state.get("serving")) and not self._gone
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self._state.get("loaded"))
+
+    @property
+    def platform(self) -> str | None:
+        return self._state.get("platform")
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self._state.get("inputs") or []
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self._state.get("outputs") or []
+
+    @property
+    def profiles(self) -> Mapping[str, ShapeRange]:
+        return self._state.get("profiles") or {}
+
+    @property
+    def max_rows(self) -> int | None:
+        return self._state.get("max_rows")
 
     def status_message(self) -> str:
-        if self._link.lost.is_set():
+        if self._gone:
             return f"model '{self.name}' is shutting down"
         return self._state.get("message") or f"model '{self.name}' is loading"
 
     async def load(self) -> bool:
         return True  # the engine process loads; its state arrives through the link
+
+    async def admit(self) -> None:
+        pass  # the queue and its admission wait are the engine's (engine_side)
 
     async def infer(self, inputs: Mapping[str, np.ndarray],
                     parameters: Mapping[str, Any] | None = None,
@@ -301,9 +331,10 @@ class RemoteModel:
         pass
 
 
-class FrontEndServer(InferenceServer):
-    """A front-end process's server: the same handlers, over RemoteModels. Its request
-    outcomes are counted by the engine, and /metrics is the engine's registry."""
+class FrontEndDataplane(Dataplane):
+    """A front-end process's dataplane, over RemoteModels: every check as in the engine
+    process, but its request outcomes are counted by the engine, and its metrics are the
+    engine's registry."""
 
     def __init__(self, models: list[RemoteModel], link: EngineLink, **kwargs: Any):
         self._link = link
@@ -312,12 +343,11 @@ class FrontEndServer(InferenceServer):
     def record(self, model: str, outcome: str | None, seconds: float) -> None:
         self._link.tally(model, outcome, seconds)
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def metrics_text(self) -> bytes:
         try:
-            text = await asyncio.wait_for(self._link.metrics_text(), _METRICS_TIMEOUT)
+            return await asyncio.wait_for(self._link.metrics_text(), _METRICS_TIMEOUT)
         except (EngineGone, TimeoutError):
-            return error_response(503, "the engine process is not answering")
-        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+            raise Refusal(Kind.UNAVAILABLE, "the engine process is not answering") from None
 
 
 @dataclass(frozen=True)
@@ -358,9 +388,10 @@ async def _serve_front_end(config: FrontEndConfig) -> None:
         if link.lost.is_set():
             log.error("the engine process went away before this front end started")
             return
-        server = FrontEndServer([RemoteModel(n, link) for n in config.model_names], link,
-                                max_body_bytes=config.max_body_bytes,
-                                body_timeout=config.body_timeout, limits=config.limits)
+        dataplane = FrontEndDataplane([RemoteModel(n, link) for n in config.model_names], link,
+                                      max_request_bytes=config.max_body_bytes)
+        server = InferenceServer.over(dataplane, body_timeout=config.body_timeout,
+                                      limits=config.limits)
         stop = asyncio.Event()
         watcher = asyncio.create_task(_stop_when(link.lost, stop))
         await run_until_stopped(server, config.host, config.port, config.drain_seconds,
