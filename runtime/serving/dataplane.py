@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 from prometheus_client import generate_latest
 
-from kiln.runtime.serving import protocol
+from kiln.runtime.serving import tensors
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import LOADING, UNHEALTHY, Model
 from kiln.runtime.serving.refusals import (NOT_READY_RETRY_AFTER, OUTCOME, Kind, ModelUnavailable,
@@ -122,11 +122,11 @@ class Dataplane:
         """The model a request names (any version when None), else Refusal NOT_FOUND."""
         model = self.models.get(name)
         if model is None:
-            raise Refusal(Kind.NOT_FOUND, f"unknown model {protocol.shown(name)}; this server "
+            raise Refusal(Kind.NOT_FOUND, f"unknown model {tensors.shown(name)}; this server "
                                           f"serves: {', '.join(self.models)}")
         if version is not None and version != model.version:
             raise Refusal(Kind.NOT_FOUND, f"model '{name}' has no version "
-                                          f"{protocol.shown(version)}; it serves version "
+                                          f"{tensors.shown(version)}; it serves version "
                                           f"'{model.version}'")
         return model
 
@@ -167,7 +167,7 @@ class Dataplane:
         loaded model (only a serving one is asked)."""
         limit = self._request_bounds.get(model.name)
         if limit is None:
-            bound = protocol.request_bytes_bound(model.inputs, model.profiles, model.max_rows)
+            bound = tensors.request_bytes_bound(model.inputs, model.profiles, model.max_rows)
             if bound is not None and bound < self.max_request_bytes:
                 limit = bound, (f"the largest valid request to model '{model.name}' (its "
                                 f"inputs at the largest batch and profile shapes)")

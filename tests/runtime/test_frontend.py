@@ -232,8 +232,10 @@ def test_sigterm_drains_every_front_end_then_the_engine(built, tmp_path, kiln_pr
         client.infer({"inputs": json_inputs(inputs)}))) for _ in range(4)]
     for s in senders:
         s.start()
+    # In the engine's batching queue (1.5 s delay): 1 to 4 entries, since a front end hands
+    # requests that arrive together over as one.
     wait_for_metric(f"http://127.0.0.1:{client.port}", "kiln_queue_depth", {"model": NAME},
-                    lambda depth: depth == 4)  # in the engine's batching queue (1.5 s delay)
+                    lambda depth: depth >= 1)
     p.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     # While draining, a front end refuses new work the way the single process does.

@@ -43,8 +43,7 @@ from hypothesis import strategies as st
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 from kiln.runtime.serving.grpc.endpoint import CODES, CONTENTS_FIELD
 from kiln.runtime.serving.rest.server import HTTP_STATUS
-from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
-                                   encode_infer_request)
+from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 from support.fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite
 from support.hostile_http import (HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS, Answer,

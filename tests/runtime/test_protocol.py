@@ -9,8 +9,7 @@ import pytest
 
 from kiln.runtime.engine.backends.base import ShapeRange, TensorSpec
 from kiln.runtime.serving.refusals import Kind, Refusal
-from kiln.runtime.serving.protocol import (decode_infer_response, encode_infer_request,
-                                   encode_infer_response, parse_infer_request)
+from kiln.runtime.serving.protocol import decode_infer_response, encode_infer_request, encode_infer_response, parse_infer_request
 
 INPUTS = [TensorSpec("mask", "BOOL", (-1, 2)), TensorSpec("half", "FP16", (-1, 2)),
           TensorSpec("small", "UINT8", (-1, 2))]
@@ -139,7 +138,7 @@ def test_non_finite_floats_as_proto3_json_strings_both_ways():
 
 
 def test_request_bytes_bound():
-    from kiln.runtime.serving.protocol import request_bytes_bound
+    from kiln.runtime.serving.tensors import request_bytes_bound
     fixed = [TensorSpec("x", "FP32", (-1, 3, 2))]
     assert request_bytes_bound(fixed, {}, 8) == 64 * 1024 + 8 * 6 * 64
     assert request_bytes_bound(fixed, {}, None) is None  # a batch without a bound

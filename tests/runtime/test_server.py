@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 
 from kiln.runtime.serving.rest.connections import ConnectionLimits
-from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
-                                   encode_infer_request)
+from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 from support.metrics import wait_for_metric
 from support.serving import (MAX_BODY, NAME, RUNTIME, Built, ServerThread, assert_matches,

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kiln.runtime.serving.protocol import (HEADER_LENGTH, decode_infer_response,
-                                   encode_infer_request)
+from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 from .serving import NAME, Built, assert_matches, json_inputs, sample
 

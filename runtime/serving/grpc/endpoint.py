@@ -15,7 +15,7 @@ differs from HTTP:
   input's `contents` (fp32_contents, int64_contents...: the JSON `data` equivalent);
 - outputs always in `raw_output_contents`, one per output in the order of `outputs`.
 
-Every check on shapes, ranks, datatypes, profiles and the batch is `protocol`'s, with the
+Every check on shapes, ranks, datatypes, profiles and the batch is `tensors`', with the
 same messages as over HTTP. Each kind of refusal has its gRPC code (`CODES`): INVALID
 INVALID_ARGUMENT, NOT_FOUND NOT_FOUND, OVERLOADED RESOURCE_EXHAUSTED (with a `retry-after`
 trailer), UNAVAILABLE UNAVAILABLE (draining, a model not loaded), FAILED INTERNAL. A message over --max-body-bytes is refused
@@ -36,11 +36,11 @@ from google.protobuf.message import DecodeError
 from kiln import __version__
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 from kiln.runtime.serving.grpc.stream import ModelStreamInfer
-from kiln.runtime.serving import protocol
+from kiln.runtime.serving import protocol, tensors
 from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.serving.dataplane import Dataplane
 from kiln.runtime.serving.model import Model
-from kiln.runtime.serving.protocol import shown
+from kiln.runtime.serving.tensors import shown
 from kiln.runtime.serving.refusals import Kind, Refusal, cut
 from kiln.runtime.serving.refusals import invalid as bad_request
 
@@ -220,13 +220,13 @@ def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadat
                                                    shape=list(spec.shape))
 
 
-# -- the encoding: protobuf <-> numpy, the checks protocol's --------------------------------
+# -- the encoding: protobuf <-> numpy, the checks tensors' ---------------------------------
 
 def decode_request(request: pb.ModelInferRequest, inputs: list[TensorSpec],
                    outputs: list[TensorSpec], profiles) -> tuple[dict[str, np.ndarray], list[str]]:
     """A ModelInferRequest -> (input arrays, names of the outputs to answer, in order).
-    Raises Refusal (INVALID) with protocol's messages."""
-    protocol.check_parameters(request.parameters, "the request")
+    Raises Refusal (INVALID) with tensors' messages."""
+    tensors.check_parameters(request.parameters, "the request")
     if not request.inputs:
         raise bad_request("the request needs a non-empty 'inputs' list")
     raw = request.raw_input_contents
@@ -237,11 +237,11 @@ def decode_request(request: pb.ModelInferRequest, inputs: list[TensorSpec],
     specs = {s.name: s for s in inputs}
     arrays: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(request.inputs):
-        spec = protocol.input_spec(tensor.name, specs, arrays)
-        protocol.check_parameters(tensor.parameters, f"input '{spec.name}'")
-        protocol.check_datatype(spec, tensor.datatype)
+        spec = tensors.input_spec(tensor.name, specs, arrays)
+        tensors.check_parameters(tensor.parameters, f"input '{spec.name}'")
+        tensors.check_datatype(spec, tensor.datatype)
         shape = list(tensor.shape)
-        protocol.check_dimensions(spec, shape)
+        tensors.check_dimensions(spec, shape)
         if raw:
             if tensor.HasField("contents"):
                 raise bad_request(f"input '{spec.name}' has both 'contents' and "
@@ -249,14 +249,14 @@ def decode_request(request: pb.ModelInferRequest, inputs: list[TensorSpec],
             arrays[spec.name] = _from_raw(spec, shape, raw[i], i)
         else:
             arrays[spec.name] = _from_contents(spec, shape, tensor)
-    protocol.check_inputs(arrays, inputs, profiles)
+    tensors.check_inputs(arrays, inputs, profiles)
 
     if not request.outputs:
         return arrays, [s.name for s in outputs]
     chosen: list[str] = []
     for item in request.outputs:
-        protocol.check_output_name(item.name, outputs)
-        protocol.check_parameters(item.parameters, f"output {shown(item.name)}")
+        tensors.check_output_name(item.name, outputs)
+        tensors.check_parameters(item.parameters, f"output {shown(item.name)}")
         chosen.append(item.name)
     return arrays, chosen
 
@@ -267,7 +267,7 @@ def _from_raw(spec: TensorSpec, shape: list[int], data: bytes, index: int) -> np
     if len(data) != need:
         raise bad_request(f"input '{spec.name}': raw_input_contents[{index}] has {len(data)} "
                           f"bytes but shape {shown(shape)} of {spec.datatype} needs {need}")
-    return protocol.from_bytes(data, dtype, shape)
+    return tensors.from_bytes(data, dtype, shape)
 
 
 def _from_contents(spec: TensorSpec, shape: list[int], tensor) -> np.ndarray:
@@ -285,7 +285,7 @@ def _from_contents(spec: TensorSpec, shape: list[int], tensor) -> np.ndarray:
     wide = np.fromiter(values, dtype=np.float32 if datatype == "FP32" else
                        np.float64 if datatype == "FP64" else np.bool_ if datatype == "BOOL"
                        else np.uint64 if field.startswith("uint") else np.int64, count=count)
-    protocol.check_range(name, wide, datatype, dtype)
+    tensors.check_range(name, wide, datatype, dtype)
     return wide.astype(dtype, copy=False).reshape(shape)
 
 
@@ -295,7 +295,7 @@ def encode_response(model_name: str, model_version: str, request_id: str, output
                                      id=request_id)
     for name in outputs:
         array = np.asarray(results[name])
-        response.outputs.add(name=name, datatype=protocol.datatype_of(array),
+        response.outputs.add(name=name, datatype=tensors.datatype_of(array),
                              shape=list(array.shape))
         response.raw_output_contents.append(
             np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from kiln.runtime.serving.protocol import shown
+from kiln.runtime.serving.tensors import shown
 
 log = logging.getLogger("kiln.runtime.serving.rest.server")
 

@@ -40,7 +40,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kiln import __version__
-from kiln.runtime.serving import protocol
+from kiln.runtime.serving import protocol, tensors
 from kiln.runtime.serving.dataplane import Dataplane
 from kiln.runtime.serving.model import Model
 from kiln.runtime.serving.protocol import HEADER_LENGTH
@@ -183,7 +183,7 @@ class RestServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         if self._allowed_hosts is not None and request.host.lower() not in self._allowed_hosts:
-            return error_response(403, f"Host {protocol.shown(request.host)} is not an address "
+            return error_response(403, f"Host {tensors.shown(request.host)} is not an address "
                                        f"this server listens on ({self.url})")
         response = await handler(request)
         if self.dataplane.draining:  # a keep-alive client learns to reconnect elsewhere, not by a reset
@@ -215,8 +215,8 @@ class RestServer:
             "name": model.name,
             "versions": [model.version],
             "platform": model.platform,
-            "inputs": [protocol.tensor_metadata(s) for s in model.inputs],
-            "outputs": [protocol.tensor_metadata(s) for s in model.outputs],
+            "inputs": [tensors.tensor_metadata(s) for s in model.inputs],
+            "outputs": [tensors.tensor_metadata(s) for s in model.outputs],
         })
 
     async def model_ready(self, request: web.Request) -> web.Response:
@@ -280,7 +280,7 @@ class RestServer:
             return
         value = request.headers.get("Content-Type")
         if value is not None and value.split(";")[0].strip().lower() not in _LOCAL_CONTENT_TYPES:
-            raise Refusal(Kind.UNSUPPORTED_MEDIA, f"Content-Type {protocol.shown(value)} is not "
+            raise Refusal(Kind.UNSUPPORTED_MEDIA, f"Content-Type {tensors.shown(value)} is not "
                                                   f"accepted: send application/json or "
                                                   f"application/octet-stream")
 

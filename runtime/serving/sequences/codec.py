@@ -17,7 +17,7 @@ from typing import Mapping
 import numpy as np
 
 from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
-from kiln.runtime.serving.protocol import datatype_of
+from kiln.runtime.serving.tensors import datatype_of
 from kiln.runtime.serving.sequences.spec import describe_tensor
 
 

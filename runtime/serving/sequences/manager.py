@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 
 from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
-from kiln.runtime.serving.protocol import shown
+from kiln.runtime.serving.tensors import shown
 from kiln.runtime.serving.refusals import Kind
 from kiln.runtime.serving.sequences.codec import (CorruptState, StoredState, decode_state,
                                                   encode_state, misfit)

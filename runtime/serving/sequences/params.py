@@ -10,7 +10,7 @@ import hashlib
 import re
 from typing import Any, Callable, Iterable, Mapping
 
-from kiln.runtime.serving.protocol import shown
+from kiln.runtime.serving.tensors import shown
 from kiln.runtime.serving.refusals import Kind, Refusal
 
 # The tenant: the header a gateway sets (and strips from clients), else the bearer token.
