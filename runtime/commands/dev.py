@@ -159,7 +159,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
            runtime: dict, cache_dir: Path) -> int:
     import asyncio
 
-    from kiln.runtime.engine.cache import relative_path
+    from kiln.runtime.engine.cache.entry import relative_path
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
     from kiln.runtime.serving.process import run_event_loop, run_until_stopped

@@ -380,12 +380,12 @@ class ServedModel:
         return list(self.engine.inputs) + list(getattr(self.engine, "defaults", ()))
 
     def _read(self, entry: str):
-        from kiln.runtime.engine import cache
+        from kiln.runtime.engine.cache import verify
 
         if not os.path.isdir(entry):
             raise ModelLoadError(f"engine entry {entry} does not exist: is the cache volume "
                                  f"mounted and the engine built?")
-        return (self._reader or cache.read_verified)(entry)
+        return (self._reader or verify.read_verified)(entry)
 
     def _stage(self, stage: str, seconds: float) -> None:
         self.timings[stage] = seconds

@@ -135,11 +135,11 @@ def test_kiln_serve_refuses_a_load_timeout_that_is_not_positive(tmp_path, value)
 # bytes, as a read of a hung NFS volume does.
 HUNG_WRAPPER = """
 import sys, threading
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import verify
 def hung(fd, view, offset):
     print("engine read: hung", file=sys.stderr, flush=True)
     threading.Event().wait()
-cache._read_at = hung
+verify._read_at = hung
 from kiln.cli import main
 sys.exit(main())
 """
