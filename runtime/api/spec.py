@@ -9,6 +9,7 @@ manifest.py's (`load_manifest`).
   `default`s. Takes a whole InferenceModel (a dict with any of apiVersion, kind, metadata,
   spec, status) or just its spec (the operator calls it on `body.spec`, so it works against
   an emulated API server that does not default). Returns a new dict.
+  `runtime_with_defaults(runtime)`: the same for a bare `spec.runtime`.
 - `validate(obj)`: what `kubectl apply` would be told, as a list of messages formatted like
   the API server's (`spec.autoscaling: Invalid value: minReplicas must be <=
   maxReplicas`); empty when the object is accepted. Same object-or-spec rule as above; a
@@ -29,7 +30,7 @@ import importlib.resources
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import yaml
 
@@ -115,6 +116,22 @@ def _default(value: Any, node: dict) -> Any:
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         return [_default(v, node["items"]) for v in value]
     return value
+
+
+def runtime_with_defaults(runtime: Mapping[str, Any] | None = None) -> dict:
+    """`spec.runtime` with the CRD's defaults applied, as the API server stores it: for code
+    that writes a runtime spec by hand (tests, benchmarks) instead of reading a stored one."""
+    return apply_defaults({"runtime": dict(runtime or {})})["runtime"]
+
+
+def require_keys(section: Mapping[str, Any], keys: Iterable[str], where: str) -> None:
+    """ValueError naming each of `keys` that `section` (the map at `where`, e.g.
+    `runtime.batching`) lacks. Code that reads a spec relies on its defaults having been
+    applied (by the API server, `kiln serve`, runtime_with_defaults) and restates none."""
+    missing = [f"{where}.{k}" for k in keys if k not in section]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: the spec "
+                         f"needs the CRD's defaults applied (kiln.runtime.api.spec.apply_defaults)")
 
 
 # ---------------------------------------------------------------------------- validation

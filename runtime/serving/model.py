@@ -417,7 +417,7 @@ class ServedModel:
     async def _submit(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         scheduler = self.scheduler
         if scheduler is None:  # closed after a drain timeout, or never loaded
-            from kiln.runtime.serving.scheduling.scheduler import ShuttingDown
+            from kiln.runtime.serving.scheduling.errors import ShuttingDown
             raise ShuttingDown(1.0, self.status_message())
         return await scheduler.submit(inputs)
 

@@ -62,8 +62,7 @@ def cut(message: str) -> str:
 
 def scheduler_refusal(model: str, e: Exception) -> tuple[Kind, str, float | None]:
     """A scheduler's refusal -> (kind, message, Retry-After seconds or None)."""
-    from kiln.runtime.serving.scheduling.scheduler import (ExecutionFailed, InvalidBatch,
-                                                           Overloaded, ShuttingDown)
+    from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 
     if isinstance(e, InvalidBatch):
         return Kind.INVALID, str(e), None

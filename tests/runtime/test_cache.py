@@ -16,6 +16,7 @@ from kiln.runtime.engine.cache.gc import STALE_TEMP_SECONDS, collect_garbage
 from kiln.runtime.engine.cache.publish import quarantine, remove_dead_temporaries
 from kiln.runtime.engine.cache.verify import read_unverified, read_verified
 from kiln.runtime.api import enginekey
+from kiln.runtime.api.spec import runtime_with_defaults
 
 NS, MODEL = "ml", "resnet"
 
@@ -518,7 +519,7 @@ async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case, m
     expected = _untrusted(case, tmp_path, entry, matmul_onnx) if case else None
     key = inputs("2").key if case == "key-mismatch" else m.key
     model = ServedModel(MODEL, "1", root, {"cpu": relative_path(NS, MODEL, key)},
-                        {"batching": {"maxBatchSize": 4}}, ServerMetrics(), target="cpu")
+                        runtime_with_defaults({"batching": {"maxBatchSize": 4}}), ServerMetrics(), target="cpu")
     try:
         loaded = await model.load()
         if case is None:  # the sound entry, as published, serves

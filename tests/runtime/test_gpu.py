@@ -239,6 +239,7 @@ async def served_metrics(root, onnx, backend: str, target: str) -> str:
     from kiln.runtime.engine.cache.entry import relative_path
     from kiln.runtime.engine.cache.publish import publish
     from kiln.runtime.api import enginekey
+    from kiln.runtime.api.spec import runtime_with_defaults
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import READY, ServedModel
 
@@ -247,7 +248,7 @@ async def served_metrics(root, onnx, backend: str, target: str) -> str:
     publish(root, "ml", "m", ki.key, onnx, engine_file="engine", inputs=ki.to_dict(),
             backend=backend, backend_version="1", target=target, build_seconds=1)
     metrics = ServerMetrics()
-    model = ServedModel("m", "1", root, {target: relative_path("ml", "m", ki.key)}, {},
+    model = ServedModel("m", "1", root, {target: relative_path("ml", "m", ki.key)}, runtime_with_defaults(),
                         metrics)
     try:
         assert await model.load() and model.state == READY, model.error

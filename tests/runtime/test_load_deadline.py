@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import FAILED, READY, STOPPED, ServedModel
@@ -28,7 +29,7 @@ from kiln.runtime.serving.rest.server import InferenceServer
 
 pytestmark = pytest.mark.timeout(60)
 
-RUNTIME = {"batching": {"maxBatchSize": 4}}
+RUNTIME = runtime_with_defaults({"batching": {"maxBatchSize": 4}})
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from sequence_models import (AR_STATES, RNN_STATES, RedisServer,  # noqa: E402
                              autoregressive_model, redis_server_binary, reference_autoregressive,
                              rnn_model)
 
+from kiln.runtime.api.spec import runtime_with_defaults  # noqa: E402
 from kiln.runtime.serving.refusals import Kind  # noqa: E402
 from kiln.runtime.serving.sequences import manager as sq  # noqa: E402
 from kiln.runtime.engine.backends.base import TensorSpec  # noqa: E402
@@ -549,7 +550,7 @@ class Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.model = ServedModel(name, "1", root / "cache", {"cpu": rel}, runtime,
+        self.model = ServedModel(name, "1", root / "cache", {"cpu": rel}, runtime_with_defaults(runtime),
                                  ServerMetrics(), target="cpu")
         self.server = InferenceServer([self.model], self.model.metrics)
         url = self.call(self.server.start("127.0.0.1", 0, 0))
@@ -738,7 +739,7 @@ def test_a_mismatched_pair_keeps_the_pod_alive_and_not_ready(engines):
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
 
-    model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, runtime,
+    model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, runtime_with_defaults(runtime),
                         ServerMetrics(), target="cpu")
     assert asyncio.run(model.load()) is False
     assert model.error == ("spec.runtime.sequences.states[0]: input 'h' (FP32 [1, 32]) and "

@@ -30,6 +30,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.serving.rest.connections import ConnectionLimits
 from kiln.runtime.serving.metrics import ServerMetrics
@@ -117,7 +118,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.metrics = ServerMetrics()
-        self.model = ServedModel(NAME, "1", cache, engines, runtime or RUNTIME, self.metrics,
+        self.model = ServedModel(NAME, "1", cache, engines, runtime_with_defaults(runtime or RUNTIME), self.metrics,
                                  target=target)
         self.server = InferenceServer([self.model], self.metrics,
                                       max_body_bytes=max_body_bytes, **server_args)

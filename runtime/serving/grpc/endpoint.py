@@ -37,7 +37,7 @@ from kiln.runtime.serving.model import ServedModel
 from kiln.runtime.serving.protocol import shown
 from kiln.runtime.serving.refusals import NOT_READY_RETRY_AFTER, OUTCOME, Kind, Refusal, cut, scheduler_refusal
 from kiln.runtime.serving.refusals import invalid as bad_request
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, Overloaded
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded
 from kiln.runtime.serving.sequences.manager import request_tenant
 
 if TYPE_CHECKING:

@@ -50,7 +50,7 @@ from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import LOADING, UNHEALTHY, ServedModel
 from kiln.runtime.serving.protocol import HEADER_LENGTH
 from kiln.runtime.serving.refusals import NOT_READY_RETRY_AFTER, Kind, Refusal, cut, scheduler_refusal
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, Overloaded
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded
 from kiln.runtime.serving.sequences.manager import request_tenant
 
 log = logging.getLogger("kiln.runtime.serving.rest.server")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kiln.runtime.serving.refusals import Refusal
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, SchedulerError
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, SchedulerError
 from kiln.runtime.serving.workers.wire import Channel, Segment, pack, unpack
 
 _STATE_PERIOD = 0.05

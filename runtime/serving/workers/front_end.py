@@ -20,7 +20,7 @@ from kiln.runtime.serving.process import run_event_loop, run_until_stopped
 from kiln.runtime.serving.rest.connections import ConnectionLimits
 from kiln.runtime.serving.rest.server import InferenceServer, error_response
 from kiln.runtime.serving.scheduling import batching
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, ShuttingDown
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, ShuttingDown
 from kiln.runtime.serving.sequences.manager import names_sequence
 from kiln.runtime.serving.workers.wire import SLOT_BYTES, SLOTS, Channel, Segment, pack, unpack
 
