@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kiln.runtime.api.contract import KIND
-from kiln.runtime.api.spec import go_format
+from kiln.runtime.api.fielderrors import go_format
 
 # Bounds on a manifest file. An InferenceModel is a few KiB; the bounds keep a hostile or
 # broken file (a YAML "billion laughs" alias bomb, a FIFO, /dev/zero) from hanging kiln.

@@ -36,6 +36,7 @@ import yaml
 
 from kiln.runtime.api.cel import run_rule
 from kiln.runtime.api.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401 (re-exported)
+from kiln.runtime.api.fielderrors import field_path, go_format, join_path, translate, type_error
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{CRD_NAME}.yaml"
@@ -220,18 +221,13 @@ def is_namespace(value: Any) -> bool:
 
 def _name_errors(where: str, value: Any, max_len: int, pattern: re.Pattern, message: str) -> list[str]:
     if not isinstance(value, str):
-        return [_type_error(where, "string", value)]
+        return [type_error(where, "string", value)]
     errors = []
     if len(value) > max_len:
         errors.append(f"{where}: Invalid value: {go_format(value)}: must be no more than {max_len} characters")
     if not pattern.fullmatch(value):
         errors.append(f"{where}: Invalid value: {go_format(value)}: {message}")
     return errors
-
-
-def _type_error(where: str, want: str, got: Any) -> str:
-    return (f"{where}: Invalid value: {json.dumps(_json_type(got))}: {where} in body must be of "
-            f"type {want}: {json.dumps(_json_type(got))}")
 
 
 def _get(value: Any, *keys: str) -> Any:
@@ -268,56 +264,6 @@ def _builder_flag_errors(value: Mapping, prefix: str) -> list[str]:
     return []
 
 
-def _join(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
-
-
-def _path(prefix: str, node: dict | None, parts) -> str:
-    """Field path as the API server prints it: `a.b[0]`, map keys as `labels[kiln.dev/role]`."""
-    path = prefix
-    for part in parts:
-        props = (node or {}).get("properties", {})
-        if isinstance(part, int):
-            path, node = _join(path, part), (node or {}).get("items")
-        elif part in props:
-            path, node = _join(path, part), props[part]
-        else:
-            path, node = f"{path}.{part}", (node or {}).get("additionalProperties")
-            node = node if isinstance(node, dict) else None
-    return path
-
-
-def go_format(value: Any) -> str:
-    """A value as Go's %v/%q would show it in a field error."""
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # Go's %q keeps printable Unicode
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(_json_type(value))
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
 def _unknown_fields(value: Any, node: dict, path: str) -> Iterator[str]:
     if node.get("x-kubernetes-preserve-unknown-fields") or path == "metadata":
         return
@@ -326,14 +272,14 @@ def _unknown_fields(value: Any, node: dict, path: str) -> Iterator[str]:
         extra = node.get("additionalProperties")
         for k, v in value.items():
             if k in props:
-                yield from _unknown_fields(v, props[k], _join(path, k))
+                yield from _unknown_fields(v, props[k], join_path(path, k))
             elif isinstance(extra, dict):
                 yield from _unknown_fields(v, extra, f"{path}[{k}]")
             elif extra is not True:
-                yield _join(path, k)
+                yield join_path(path, k)
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         for i, v in enumerate(value):
-            yield from _unknown_fields(v, node["items"], _join(path, i))
+            yield from _unknown_fields(v, node["items"], join_path(path, i))
 
 
 @functools.lru_cache(maxsize=4)
@@ -361,48 +307,12 @@ def _schema_errors(value: dict, node: dict, prefix: str) -> tuple[list[str], boo
     out: list[str] = []
     blocking = False
     for err in _validator(prefix).iter_errors(value):
-        path = _path(prefix, node, err.absolute_path)
+        path = field_path(prefix, node, err.absolute_path)
         blocking = blocking or err.validator in _BLOCKING
-        for msg in _translate(err, path):
+        for msg in translate(err, path):
             if msg not in out:
                 out.append(msg)
     return out, blocking
-
-
-def _translate(err, path: str) -> Iterator[str]:
-    kw, want, got = err.validator, err.validator_value, err.instance
-    where = path or "<nil>"
-    if kw == "required":
-        for name in want:
-            if isinstance(got, dict) and name not in got:
-                yield f"{_join(path, name)}: Required value"
-    elif kw == "type":  # a nullable field's ["number", "null"]: the API server says number
-        yield _type_error(where, ",".join(t for t in want if t != "null") if isinstance(want, list) else want, got)
-    elif kw == "enum":
-        supported = ", ".join(json.dumps(v) for v in want)
-        yield f"{where}: Unsupported value: {go_format(got)}: supported values: {supported}"
-    elif kw == "pattern":
-        yield f"{where}: Invalid value: {go_format(got)}: {where} in body should match '{want}'"
-    elif kw == "minimum":
-        yield (f"{where}: Invalid value: {go_format(got)}: {where} in body should be greater than "
-               f"or equal to {want}")
-    elif kw == "maximum":
-        yield (f"{where}: Invalid value: {go_format(got)}: {where} in body should be less than or "
-               f"equal to {want}")
-    elif kw == "minLength":
-        yield f"{where}: Invalid value: {go_format(got)}: {where} in body should be at least {want} chars long"
-    elif kw == "maxLength":
-        yield f"{where}: Too long: may not be more than {want} bytes"
-    elif kw == "minItems":
-        yield f"{where}: Invalid value: {len(got)}: {where} in body should have at least {want} items"
-    elif kw == "maxItems":
-        yield f"{where}: Too many: {len(got)}: must have at most {want} items"
-    elif kw == "maxProperties":
-        yield f"{where}: Too many: {len(got)}: must have at most {want} items"
-    elif kw == "anyOf" and all("type" in s for s in want):
-        yield _type_error(where, ",".join(s["type"] for s in want), got)
-    else:
-        yield f"{where}: Invalid value: {go_format(got)}: {err.message}"
 
 
 def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator[str]:
@@ -420,7 +330,7 @@ def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator
         extra = node.get("additionalProperties")
         for k, v in value.items():
             if k in props:
-                yield from _walk_k8s(v, props[k], _join(path, k), rules)
+                yield from _walk_k8s(v, props[k], join_path(path, k), rules)
             elif isinstance(extra, dict):
                 yield from _walk_k8s(v, extra, f"{path}[{k}]", rules)
     elif isinstance(value, list):
@@ -428,7 +338,7 @@ def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator
         items = node.get("items")
         if isinstance(items, dict):
             for i, v in enumerate(value):
-                yield from _walk_k8s(v, items, _join(path, i), rules)
+                yield from _walk_k8s(v, items, join_path(path, i), rules)
 
 
 def _duplicates(value: list, node: dict, path: str) -> Iterator[str]:
@@ -444,7 +354,7 @@ def _duplicates(value: list, node: dict, path: str) -> Iterator[str]:
         if ident in seen:
             shown = go_format(item) if kind == "set" else "{" + ", ".join(
                 f"{json.dumps(k)}: {go_format(v)}" for k, v in ident) + "}"
-            yield f"{_join(path, i)}: Duplicate value: {shown}"
+            yield f"{join_path(path, i)}: Duplicate value: {shown}"
         else:
             seen.append(ident)
 
