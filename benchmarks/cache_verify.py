@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import publish, verify
+from kiln.runtime.engine.cache.entry import CHUNK_HASHES, MANIFEST, entry_dir
 from kiln.runtime.api import enginekey
 
 TARGET_OVERHEAD = 0.15  # cold, and a whole load
@@ -32,10 +33,10 @@ TARGET_WARM_OVERHEAD = 0.50
 # Runs in a fresh interpreter: one load, its seconds on stdout.
 _CHILD = """
 import sys, time
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import verify
 entry, mode, backend = sys.argv[1:4]
-read = {"verified": cache.read_verified, "unverified": cache.read_unverified,
-        "parallel": lambda e: cache.read_unverified(e, threads=cache._verify_threads(1 << 30))
+read = {"verified": verify.read_verified, "unverified": verify.read_unverified,
+        "parallel": lambda e: verify.read_unverified(e, threads=verify._verify_threads(1 << 30))
         }[mode]
 if backend != "-":
     from kiln.runtime.engine.backends import get_backend
@@ -77,10 +78,10 @@ def _median(fn, runs: int, before=None) -> float:
 def _publish(root, name: str, engine: bytes, backend: str, engine_file: str) -> str:
     ki = enginekey.key_inputs({"uri": "bench", "version": "1"},
                               {"backend": backend, "precision": "fp32"}, "cpu", "bench")
-    cache.publish(root, "bench", name, ki.key, engine, engine_file=engine_file,
-                  inputs=ki.to_dict(), backend=backend, backend_version="bench", target="cpu",
-                  build_seconds=0)
-    return str(cache.entry_dir(root, "bench", name, ki.key))
+    publish.publish(root, "bench", name, ki.key, engine, engine_file=engine_file,
+                    inputs=ki.to_dict(), backend=backend, backend_version="bench", target="cpu",
+                    build_seconds=0)
+    return str(entry_dir(root, "bench", name, ki.key))
 
 
 def _onnx_engine(size: int) -> bytes:
@@ -104,17 +105,17 @@ def _onnx_engine(size: int) -> bytes:
 
 
 def _hash_seconds(size: int, name: str, threads: int = 0) -> float:
-    """One `name` digest (cache.CHUNK_HASHES) over `size` bytes (threads=0), or its chunk
+    """One `name` digest (CHUNK_HASHES) over `size` bytes (threads=0), or its chunk
     digests on `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    digest = cache.CHUNK_HASHES[name]
+    digest = CHUNK_HASHES[name]
     view = memoryview(os.urandom(16 << 20) * (size // (16 << 20)))
     started = time.perf_counter()
     if not threads:
         digest(view)
     else:
-        step = cache.DIGEST_CHUNK_BYTES
+        step = verify.DIGEST_CHUNK_BYTES
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda i: digest(view[i:i + step]), range(0, size, step)))
     return time.perf_counter() - started
@@ -128,7 +129,7 @@ def _older_copy(root, entry: str, sha256_chunks: bool) -> str:
     copy = os.path.join(root, "bench", "sha256" if sha256_chunks else "old",
                         os.path.basename(entry))
     shutil.copytree(entry, copy)
-    path = os.path.join(copy, cache.MANIFEST)
+    path = os.path.join(copy, MANIFEST)
     with open(path) as f:
         doc = json.load(f)
     del doc["chunkBlake3"]
@@ -195,7 +196,7 @@ def run(quick: bool) -> str:
             *measure(onnx_entry, "onnxruntime"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    threads = cache._verify_threads(size // cache.DIGEST_CHUNK_BYTES)
+    threads = verify._verify_threads(size // verify.DIGEST_CHUNK_BYTES)
     rates = {name: (mib / _hash_seconds(size, name), mib / _hash_seconds(size, name, threads))
              for name in ("sha256", "blake3")}
 
@@ -206,7 +207,7 @@ def run(quick: bool) -> str:
         f"fresh memory), median of {runs}. Targets: verification adds at most "
         f"{TARGET_OVERHEAD:.0%} to a cold read and to a whole load, at most "
         f"{TARGET_WARM_OVERHEAD:.0%} to a warm read. {os.cpu_count()} CPUs here; "
-        f"{threads} threads, chunks of {cache.DIGEST_CHUNK_BYTES >> 20} MiB. The overhead is "
+        f"{threads} threads, chunks of {verify.DIGEST_CHUNK_BYTES >> 20} MiB. The overhead is "
         f"against the same parallel reads without hashing (what verification adds); the "
         f"column after it is against `read_unverified`'s single read call, for reference.",
         "",
@@ -217,7 +218,7 @@ def run(quick: bool) -> str:
         "",
         f"One core here hashes {rates['sha256'][0]:.0f} MiB/s of SHA-256 (OpenSSL through "
         f"hashlib) and {rates['blake3'][0]:.0f} MiB/s of BLAKE3 (the blake3 package); as "
-        f"{cache.DIGEST_CHUNK_BYTES >> 20} MiB chunk digests on {threads} threads, "
+        f"{verify.DIGEST_CHUNK_BYTES >> 20} MiB chunk digests on {threads} threads, "
         f"{rates['sha256'][1]:.0f} and {rates['blake3'][1]:.0f} MiB/s. One digest of the whole "
         f"file cannot be spread over cores, so the manifest also holds each chunk's digest "
         f"(BLAKE3; the whole file's sha256 stays, for `sha256sum`); each thread reads a chunk "

@@ -57,8 +57,9 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def run(quick: bool) -> str:
-    from kiln.operator import builders, main
+    from kiln.operator import main
     from kiln.operator.config import OperatorConfig
+    from kiln.operator.plan import plan_engines
     from kiln.runtime.api import spec as specmod
 
     from support import kubeemu
@@ -196,7 +197,7 @@ def run(quick: bool) -> str:
         for i in range(n_single):
             obj = _model("single", f"s{i:03d}", f"{i}")
             applied = emu.call(create(obj))
-            job = builders.plan_engines(specmod.apply_defaults(obj["spec"]), OperatorConfig())[0].job_name
+            job = plan_engines(specmod.apply_defaults(obj["spec"]), OperatorConfig())[0].job_name
             key = ("batch/v1/jobs", "single", job)
             wait_until(lambda: key in e.created_at, 30)
             latencies.append(e.created_at[key] - applied)

@@ -34,7 +34,8 @@ import numpy as np
 from kiln.runtime.serving.sequences.manager import SequenceManager
 from kiln.runtime.serving.sequences.spec import SequenceSpec
 from kiln.runtime.serving.sequences.stores import RedisStore
-from support.sequence_models import RedisServer, autoregressive_model, redis_server_binary, with_defaults
+from kiln.runtime.api.spec import runtime_with_defaults
+from support.sequence_models import RedisServer, autoregressive_model, redis_server_binary
 
 HIDDEN = VOCAB = 1024
 
@@ -78,7 +79,7 @@ def _add_model(elements: int) -> bytes:
 
 
 def _manager(session, states, store, idle=600):
-    spec = SequenceSpec.from_runtime(with_defaults({"sequences": {
+    spec = SequenceSpec.from_runtime(runtime_with_defaults({"sequences": {
         "states": states, "idleTimeoutSeconds": idle, "maxBytesPerSequence": 1 << 30,
         "maxBytesTotal": 4 << 30}}))
     return SequenceManager(spec, "bench", "key", _engine(session), _specs(session, "in"),

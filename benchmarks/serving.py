@@ -53,11 +53,14 @@ TUNED = {"batching": True, "contexts": 1, "threads": 2, "spin": False, "delay": 
 
 
 def runtime_spec(cfg: dict[str, Any], batching: bool | None = None) -> dict[str, Any]:
-    """A tuning-grid entry -> spec.runtime (threads go to KILN_ORT_INTRA_OP_THREADS)."""
-    return {"contextsPerGPU": cfg["contexts"],
-            "batching": {"enabled": cfg["batching"] if batching is None else batching,
-                         "maxBatchSize": MAX_BATCH, "maxQueueDelayMicroseconds": cfg["delay"],
-                         "preferredBatchSizes": cfg["preferred"], "maxQueueSize": 4096}}
+    """A tuning-grid entry -> spec.runtime with the CRD's defaults applied, as `kiln serve`
+    reads it (threads go to KILN_ORT_INTRA_OP_THREADS)."""
+    from kiln.runtime.api.spec import runtime_with_defaults
+
+    return runtime_with_defaults({"contextsPerGPU": cfg["contexts"],
+                                  "batching": {"enabled": cfg["batching"] if batching is None else batching,
+                                               "maxBatchSize": MAX_BATCH, "maxQueueDelayMicroseconds": cfg["delay"],
+                                               "preferredBatchSizes": cfg["preferred"], "maxQueueSize": 4096}})
 
 
 # -- models and engines --------------------------------------------------------------------

@@ -15,9 +15,10 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from kiln.operator import builders
+from kiln.operator import manifests, observations
 from kiln.operator import conditions as cond
 from kiln.operator.kube import ApiError
+from kiln.operator.plan import EngineRef
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
 from kiln.runtime.api import contract
 
@@ -26,7 +27,7 @@ OWNS = Owns(conditions=("EngineReady",), fields=("engines",), refused="EngineRea
 
 @dataclasses.dataclass
 class EngineObservation:
-    engine: builders.EngineRef
+    engine: EngineRef
     state: str  # Ready | Building | Failed
     result: Mapping[str, Any] | None = None
     reason: str = ""
@@ -117,7 +118,7 @@ def _owned_by(pod: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
     return not refs or not uid or any(r.get("uid") == uid for r in refs)
 
 
-def _is_current(result: Mapping[str, Any] | None, engine: builders.EngineRef) -> bool:
+def _is_current(result: Mapping[str, Any] | None, engine: EngineRef) -> bool:
     return bool(result and result.get("ok") and result.get("key", engine.key) == engine.key)
 
 
@@ -132,7 +133,7 @@ async def _delete_obsolete_jobs(p: Pass) -> None:
             p.record("Normal", "BuildCancelled", f"deleted Job {meta['name']}: no current spec needs engine {key}")
 
 
-async def _observe(p: Pass, engine: builders.EngineRef) -> EngineObservation:
+async def _observe(p: Pass, engine: EngineRef) -> EngineObservation:
     """One engine: in the index, or its Job's state (creating the Job when there is none)."""
     result = p.ctx.results.get((p.ns, engine.index_key)) or contract.parse_result(
         p.views.engine_index(p.ns).get(engine.index_key))
@@ -142,16 +143,16 @@ async def _observe(p: Pass, engine: builders.EngineRef) -> EngineObservation:
     if job is not None and p.ctx.replaced_jobs.get((p.ns, engine.job_name)) == job["metadata"].get("uid"):
         job = None  # the index still shows the Job we deleted; ours is on its way
     if job is None:
-        job, created = await p.ctx.kube.create(builders.build_job(p.model, p.spec, engine, p.ctx.config))
+        job, created = await p.ctx.kube.create(manifests.build_job(p.model, p.spec, engine, p.ctx.config))
         if created:
             p.record("Normal", "BuildStarted",
                      f"building engine {engine.key} for {engine.architecture} in Job {engine.job_name}")
-        if builders.job_state(job).phase == "Active":
+        if observations.job_state(job).phase == "Active":
             return EngineObservation(engine, "Building")
     if job["metadata"].get("deletionTimestamp"):
         return EngineObservation(engine, "Building", reason="Replacing", retry=True,
                                  message=f"Job {engine.job_name} is being deleted; waiting to create it again")
-    state = builders.job_state(job)
+    state = observations.job_state(job)
     pods = [pod for pod in p.views.pods(p.ns, engine.job_name) if _owned_by(pod, job)]
     if state.phase == "Succeeded":
         return await _succeeded(p, engine, job, pods)
@@ -160,14 +161,14 @@ async def _observe(p: Pass, engine: builders.EngineRef) -> EngineObservation:
     return EngineObservation(engine, "Building")
 
 
-async def _succeeded(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any],
+async def _succeeded(p: Pass, engine: EngineRef, job: Mapping[str, Any],
                      pods: list[Mapping[str, Any]]) -> EngineObservation:
-    result = builders.termination_result(pods)
+    result = observations.termination_result(pods)
     if result is None:
         return EngineObservation(engine, "Building", reason="Finishing",
                                  message="waiting for the build pod's termination message")
     if not _is_current(result, engine):
-        state = builders.JobState("Failed", "KeyMismatch" if result.get("ok") else "")
+        state = observations.JobState("Failed", "KeyMismatch" if result.get("ok") else "")
         return await _failed(p, engine, job, pods, state)
     await record_result(p, engine, result)
     quarantined = result.get("quarantined")
@@ -180,15 +181,15 @@ async def _succeeded(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any]
     return EngineObservation(engine, "Ready", result)
 
 
-async def _failed(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any], pods: list[Mapping[str, Any]],
-                  state: builders.JobState) -> EngineObservation:
+async def _failed(p: Pass, engine: EngineRef, job: Mapping[str, Any], pods: list[Mapping[str, Any]],
+                  state: observations.JobState) -> EngineObservation:
     if _retry_now(p, job):
         return await _recreate(p, engine, job)
-    if pods and builders.termination_state(pods) is None:
+    if pods and observations.termination_state(pods) is None:
         # The pod's final state has not reached us yet (it travels on another watch
         # stream than the Job's); its termination message is the useful part.
         return EngineObservation(engine, "Building", reason="Finishing", message="waiting for the build pod's final state")
-    reason, message = builders.failure_message(state, pods)
+    reason, message = observations.failure_message(state, pods)
     return EngineObservation(engine, "Failed", reason=reason, message=message)
 
 
@@ -203,14 +204,14 @@ def _retry_now(p: Pass, job: Mapping[str, Any]) -> bool:
     return created_for_older or seen_earlier
 
 
-async def _recreate(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any]) -> EngineObservation:
+async def _recreate(p: Pass, engine: EngineRef, job: Mapping[str, Any]) -> EngineObservation:
     kube, uid = p.ctx.kube, job["metadata"].get("uid")
     if await kube.delete("Job", p.ns, engine.job_name, uid=uid):
         p.ctx.replaced_jobs[(p.ns, engine.job_name)] = uid or ""
     waiting = EngineObservation(engine, "Building", reason="Replacing", retry=True,
                                 message=f"Job {engine.job_name} is still being deleted")
     try:
-        new_job, _ = await kube.create(builders.build_job(p.model, p.spec, engine, p.ctx.config))
+        new_job, _ = await kube.create(manifests.build_job(p.model, p.spec, engine, p.ctx.config))
     except ApiError as e:
         if e.refused:
             raise
@@ -222,7 +223,7 @@ async def _recreate(p: Pass, engine: builders.EngineRef, job: Mapping[str, Any])
     return EngineObservation(engine, "Building")
 
 
-async def record_result(p: Pass, engine: builders.EngineRef, result: Mapping[str, Any]) -> None:
+async def record_result(p: Pass, engine: EngineRef, result: Mapping[str, Any]) -> None:
     """Add the build result to the namespace's engine index (a merge patch adds one key)."""
     kube, value = p.ctx.kube, json.dumps(dict(result), sort_keys=True, separators=(",", ":"))
     try:
@@ -230,7 +231,7 @@ async def record_result(p: Pass, engine: builders.EngineRef, result: Mapping[str
     except ApiError as e:
         if e.status != 404:
             raise
-        _, created = await kube.create(builders.engine_index_configmap(p.ns, {engine.index_key: value}))
+        _, created = await kube.create(manifests.engine_index_configmap(p.ns, {engine.index_key: value}))
         if not created:
             await kube.patch("ConfigMap", p.ns, contract.ENGINE_INDEX, {"data": {engine.index_key: value}})
     p.ctx.results[(p.ns, engine.index_key)] = dict(result)

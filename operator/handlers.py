@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import kopf
 
-from kiln.operator import builders, reconcile, rollout
+from kiln.operator import observations, reconcile, rollout
 from kiln.operator import signals as sig
 from kiln.runtime.api import contract
 
@@ -45,12 +45,12 @@ CONFIGMAPS = ("", "v1", "configmaps")
 # Server-side selectors for the watch streams (main.py puts them into kopf's settings); the
 # same filters repeat client-side on the handlers, in case a selector is not honoured.
 LABEL_SELECTORS = {
-    JOBS: builders.LABEL_KEY,
-    PODS: builders.LABEL_KEY,
+    JOBS: contract.LABEL_KEY,
+    PODS: contract.LABEL_KEY,
     DEPLOYMENTS: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
     SERVICES: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
 }
-FIELD_SELECTORS = {CONFIGMAPS: f"metadata.name={builders.ENGINE_INDEX}"}
+FIELD_SELECTORS = {CONFIGMAPS: f"metadata.name={contract.ENGINE_INDEX}"}
 KILN = {k: v for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")}
 
 
@@ -107,7 +107,7 @@ def kiln_deployments(namespace: str, name: str, body: Mapping[str, Any], **_: An
     spec = body.get("spec") or {}
     template = spec.get("template") or {}
     # The pod spec is in kiln.dev/applied; of the live one only what drift is checked on.
-    containers = builders.slim_containers((template.get("spec") or {}).get("containers") or ())
+    containers = observations.slim_containers((template.get("spec") or {}).get("containers") or ())
     slim_spec = {"template": {"metadata": dict(template.get("metadata") or {}), "spec": {"containers": containers}}}
     if "replicas" in spec:
         slim_spec["replicas"] = spec["replicas"]
@@ -276,7 +276,7 @@ async def on_build_pod_event(namespace: str, labels: Mapping[str, str], body: Ma
 async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
                            **kw: Any) -> None:
     """A runtime Deployment or Service changed or went: reconcile its model (label kiln.dev/model)."""
-    model = labels.get(builders.LABEL_MODEL)
+    model = labels.get(contract.LABEL_MODEL)
     if model:
         await _reconcile_models([(namespace, model)], memo, kw, logger)
 
@@ -284,12 +284,12 @@ async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any,
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     kopf.index(*MODELS, registry=registry)(kiln_models)
     kopf.index(*MODELS, registry=registry)(kiln_models_by_job)
-    kopf.index(*JOBS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs)
-    kopf.index(*JOBS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs_by_owner)
-    kopf.index(*PODS, labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_build_pods)
+    kopf.index(*JOBS, labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs)
+    kopf.index(*JOBS, labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_jobs_by_owner)
+    kopf.index(*PODS, labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(kiln_build_pods)
     kopf.index(*DEPLOYMENTS, labels=KILN, registry=registry)(kiln_deployments)
     kopf.index(*SERVICES, labels=KILN, registry=registry)(kiln_services)
-    kopf.index(*CONFIGMAPS, field="metadata.name", value=builders.ENGINE_INDEX, registry=registry)(kiln_engine_index)
+    kopf.index(*CONFIGMAPS, field="metadata.name", value=contract.ENGINE_INDEX, registry=registry)(kiln_engine_index)
 
     kopf.on.create(*MODELS, id="reconcile", registry=registry)(on_model)
     kopf.on.update(*MODELS, id="reconcile", field="spec", registry=registry)(on_model)
@@ -300,8 +300,8 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
                   registry=registry)(on_rollout_action)
     kopf.on.event(*MODELS, id="forget", when=_gone, registry=registry)(on_model_gone)
 
-    kopf.on.event(*JOBS, id="job", labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
-    kopf.on.event(*PODS, id="build-pod", labels={builders.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
+    kopf.on.event(*JOBS, id="job", labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
+    kopf.on.event(*PODS, id="build-pod", labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
     kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_runtime_event)
     kopf.on.event(*SERVICES, id="service", labels=KILN, registry=registry)(on_runtime_event)
     return registry

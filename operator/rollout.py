@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from kiln.operator import analysis as an
-from kiln.operator import builders
+from kiln.operator import manifests, observations
 from kiln.operator import canary as cn
 from kiln.operator.engines import EngineObservation
 from kiln.operator.kube import ApiError
@@ -41,7 +41,7 @@ class Track:
     name: str  # stable | canary
     engines: tuple[EngineObservation, ...]
     applied: dict[str, Any]  # the Deployment Kiln applies (replicas left out when autoscaled)
-    hash: str  # builders.manifest_hash(applied)
+    hash: str  # manifests.manifest_hash(applied)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +57,13 @@ class Tracks:
 
 async def step(p: Pass) -> StepResult:
     observed: list[EngineObservation] = p.out["engines"]
-    live = p.views.deployment(p.ns, builders.runtime_name(p.name))
+    live = p.views.deployment(p.ns, manifests.runtime_name(p.name))
     if p.invalid is not None:
         keep = {k: p.previous[k] for k in ("engineKey", "stable") if p.previous.get(k) is not None}
         return StepResult(conditions={"Progressing": (False, "InvalidSpec", "the spec cannot work; change it to proceed")},
                           status=keep, out=Tracks(None, hold=True))
     ready = bool(observed) and all(o.state == "Ready" for o in observed)
-    serving = builders.observe_deployment(live)
+    serving = observations.observe_deployment(live)
     desired = observed[0].engine.key if observed else ""
     state = p.previous.get("canary") or None
     canaried = (p.spec["rollout"]["strategy"] == "Canary" and serving.exists and bool(desired)
@@ -76,7 +76,7 @@ async def step(p: Pass) -> StepResult:
 def without_canary(p: Pass, observed: list[EngineObservation], ready: bool, desired: str,
                    live: Mapping[str, Any] | None) -> StepResult:
     """Recreate, or nothing serving yet: the stable Deployment moves once the engines exist."""
-    tracks = Tracks(track(p, observed, builders.STABLE) if ready else None)
+    tracks = Tracks(track(p, observed, manifests.STABLE) if ready else None)
     status = stable_status(p, tracks, live)
     if p.previous.get("canary"):
         status["canary"] = None  # superseded by a Recreate
@@ -87,14 +87,14 @@ def without_canary(p: Pass, observed: list[EngineObservation], ready: bool, desi
 
 
 async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, desired: str,
-                      serving: builders.DeploymentObservation, state: Mapping[str, Any] | None) -> StepResult:
+                      serving: observations.DeploymentObservation, state: Mapping[str, Any] | None) -> StepResult:
     total = p.out["scaling"].replicas
     policy = cn.Policy.from_spec(p.spec.get("rollout") or {})
-    canary_live = builders.observe_deployment(p.views.deployment(p.ns, builders.runtime_name(p.name, builders.CANARY)))
+    canary_live = observations.observe_deployment(p.views.deployment(p.ns, manifests.runtime_name(p.name, manifests.CANARY)))
     target_weight = int((state or {}).get("targetWeight") or policy.steps[0][0])
     target = cn.canary_replicas(total, target_weight, policy.canary_min)
     canary_ready = canary_live.ready if canary_live.engine_key == desired else 0
-    if (builders.gateway_api(p.spec) and state and state.get("engineKey") == desired and not state.get("stepStartedAt")
+    if (manifests.gateway_api(p.spec) and state and state.get("engineKey") == desired and not state.get("stepStartedAt")
             and canary_ready >= target and not await shift_traffic(p, target_weight)):
         canary_ready = 0  # the pods are there, the route's weight is not: the step's clock waits
     args = dict(desired_key=desired, version=p.version, engines_ready=ready, rollback=p.previous.get("rollback"),
@@ -107,20 +107,20 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
         plan = cn.advance(policy, state=plan.state, outcome=outcome, **{**args, "action": None})
     for event in plan.events:
         p.record(*event)
-    if plan.canary_key is None and builders.gateway_api(p.spec):
+    if plan.canary_key is None and manifests.gateway_api(p.spec):
         await shift_traffic(p, 0)  # rolled back, promoted, or nothing yet: all on stable
     s = plan.state
     weight = int(s["weight"]) if s else 0
-    canary_track = track(p, observed, builders.CANARY) if plan.canary_key else None
+    canary_track = track(p, observed, manifests.CANARY) if plan.canary_key else None
     if plan.promote:
-        tracks = Tracks(track(p, observed, builders.STABLE), canary_track, total, canary_live.replicas, weight)
+        tracks = Tracks(track(p, observed, manifests.STABLE), canary_track, total, canary_live.replicas, weight)
     elif canary_track is not None:
         cap = cn.canary_replicas(total, int(s["targetWeight"]), policy.canary_min)
         tracks = Tracks(None, canary_track, max(total - min(canary_live.ready, cap), 1), cap, weight)
     else:  # before the engines exist, rolled back, or promoted
-        tracks = Tracks(track(p, observed, builders.STABLE) if s is None and serving.engine_key == desired
+        tracks = Tracks(track(p, observed, manifests.STABLE) if s is None and serving.engine_key == desired
                         else None, None, total, 0, 0, plan.rollback)
-    status = stable_status(p, tracks, p.views.deployment(p.ns, builders.runtime_name(p.name)))
+    status = stable_status(p, tracks, p.views.deployment(p.ns, manifests.runtime_name(p.name)))
     status["canary"] = None if s is None else {**s, "replicas": canary_live.replicas, "readyReplicas": canary_live.ready}
     status["rollback"] = plan.rollback
     return StepResult(conditions={"Progressing": canary_progressing(p.version, observed, plan)}, status=status,
@@ -129,10 +129,10 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
 
 def track(p: Pass, observed: list[EngineObservation], name: str) -> Track:
     results = {o.engine.index_key: dict(o.result or {}) for o in observed}
-    applied = builders.runtime_deployment(p.model, p.spec, [o.engine for o in observed], results, p.ctx.config,
-                                          include_replicas=not p.out["scaling"].autoscaled and name == builders.STABLE,
-                                          track=name)
-    return Track(name, tuple(observed), applied, builders.manifest_hash(applied))
+    applied = manifests.runtime_deployment(p.model, p.spec, [o.engine for o in observed], results, p.ctx.config,
+                                           include_replicas=not p.out["scaling"].autoscaled and name == manifests.STABLE,
+                                           track=name)
+    return Track(name, tuple(observed), applied, manifests.manifest_hash(applied))
 
 
 def checks(p: Pass, state: Mapping[str, Any] | None, stable_key: str) -> list[an.Check]:
@@ -161,8 +161,8 @@ def in_sync(live: Mapping[str, Any] | None, track: Track) -> bool:
     """The live Deployment is what the track applies: same applied hash, no edits made outside Kiln."""
     if live is None:
         return False
-    applied_hash = (live["metadata"].get("annotations") or {}).get(builders.ANN_APPLIED_HASH)
-    return applied_hash == track.hash and not builders.template_drift(live, track.applied)
+    applied_hash = (live["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH)
+    return applied_hash == track.hash and not observations.template_drift(live, track.applied)
 
 
 def progressing(version: str, observed: list[EngineObservation], tracks: Tracks,
@@ -172,7 +172,7 @@ def progressing(version: str, observed: list[EngineObservation], tracks: Tracks,
     if tracks.stable is None:
         return (True, "Building", f"building the engines for version {version}")
     key = tracks.stable.engines[0].engine.key
-    if in_sync(live, tracks.stable) and builders.observe_deployment(live).rolled_out:
+    if in_sync(live, tracks.stable) and observations.observe_deployment(live).rolled_out:
         return (False, "RolloutComplete", f"engine {key} for version {version} is rolled out")
     return (True, "RollingOut", f"rolling out engine {key} for version {version}")
 
@@ -197,7 +197,7 @@ def canary_progressing(version: str, observed: list[EngineObservation], plan: cn
 
 def stable_status(p: Pass, tracks: Tracks, live: Mapping[str, Any] | None) -> dict[str, Any]:
     """engineKey and stable: the key the stable Deployment runs once the serving step acted."""
-    dep = builders.observe_deployment(live)
+    dep = observations.observe_deployment(live)
     if tracks.stable is not None:
         key, version = tracks.stable.engines[0].engine.key, p.version
     else:
@@ -223,9 +223,9 @@ async def shift_traffic(p: Pass, weight: int) -> bool:
             live = await p.ctx.kube.get(kind, p.ns, route)
             if live is None:
                 raise ValueError(f"{kind} {p.ns}/{route} does not exist")
-            await p.ctx.kube.patch(kind, p.ns, route, builders.route_weights_patch(
-                live, {builders.service_name(p.name): 100 - weight,
-                       builders.service_name(p.name, builders.CANARY): weight}))
+            await p.ctx.kube.patch(kind, p.ns, route, manifests.route_weights_patch(
+                live, {manifests.service_name(p.name): 100 - weight,
+                       manifests.service_name(p.name, manifests.CANARY): weight}))
         except (ValueError, ApiError) as e:
             p.record("Warning", "TrafficNotShifted", f"canary weight {weight}% not set on the {kind}: {e}")
             shifted = False

@@ -36,7 +36,7 @@ import datetime
 import math
 from typing import Any, Mapping
 
-from kiln.operator import builders
+from kiln.operator import manifests
 from kiln.operator import signals as sig
 from kiln.operator.kube import ApiError
 from kiln.operator.steps import Event, Owns, Pass, StepResult
@@ -212,7 +212,7 @@ async def step(p: Pass) -> StepResult:
     metrics = p.ctx.metrics
     if not auto.get("enabled") or p.invalid is not None:
         metrics.forget(p.ns, p.name)
-        return StepResult(out=Scale(builders.desired_replicas(p.spec), bool(auto.get("enabled"))))
+        return StepResult(out=Scale(manifests.desired_replicas(p.spec), bool(auto.get("enabled"))))
     state = p.previous.get("scaling") if isinstance(p.previous.get("scaling"), dict) else {}
     now, budget = p.ctx.clock(), p.ctx.config.startup_budget_seconds
     if int(state.get("generation") or 0) > p.generation:
@@ -220,15 +220,15 @@ async def step(p: Pass) -> StepResult:
         # deciding from it would undo that write.
         return StepResult(out=Scale(int(state["replicas"]), True, scaled_up_from(state, now, budget)))
     current = int((p.spec.get("runtime") or {}).get("replicas", 1))
-    ready = sum(int(((p.views.deployment(p.ns, builders.runtime_name(p.name, t)) or {}).get("status") or {})
-                    .get("readyReplicas") or 0) for t in (builders.STABLE, builders.CANARY))
+    ready = sum(int(((p.views.deployment(p.ns, manifests.runtime_name(p.name, t)) or {}).get("status") or {})
+                    .get("readyReplicas") or 0) for t in (manifests.STABLE, manifests.CANARY))
     d = decide(Policy.from_spec(auto), current, ready, sig.parse(p.model["metadata"].get("annotations")),
                state, now, p.ctx.config.signal_ttl_seconds)
     new_state, recorded = next_state(state, current, d, now)
     if d.replicas != current:
         generation = await _write_replicas(p, d.replicas)
         if generation is None:  # changed meanwhile: the pass its watch event brings decides again
-            return StepResult(out=Scale(builders.desired_replicas(p.spec), True, scaled_up_from(state, now, budget)))
+            return StepResult(out=Scale(manifests.desired_replicas(p.spec), True, scaled_up_from(state, now, budget)))
         new_state["generation"] = generation
     told = event_of(current, d, recorded)
     if told:

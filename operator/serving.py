@@ -14,18 +14,19 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from kiln.operator import builders
+from kiln.operator import manifests, observations
 from kiln.operator import conditions as cond
 from kiln.operator.rollout import Track, Tracks
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
+from kiln.runtime.api import contract
 
 OWNS = Owns(conditions=("Available", "Degraded"), fields=("replicas", "readyReplicas", "selector"))
 
 
 async def step(p: Pass) -> StepResult:
     tracks: Tracks = p.out["rollout"]
-    dep = p.views.deployment(p.ns, builders.runtime_name(p.name))
-    canary = p.views.deployment(p.ns, builders.runtime_name(p.name, builders.CANARY))
+    dep = p.views.deployment(p.ns, manifests.runtime_name(p.name))
+    canary = p.views.deployment(p.ns, manifests.runtime_name(p.name, manifests.CANARY))
     if not tracks.hold:
         stable_replicas = p.out["scaling"].replicas if tracks.stable_replicas is None else tracks.stable_replicas
         if tracks.stable is not None:
@@ -35,20 +36,20 @@ async def step(p: Pass) -> StepResult:
         if tracks.canary is not None:
             canary = await set_replicas(p, await apply_deployment(p, canary, tracks.canary, tracks.canary_replicas),
                                         tracks.canary_replicas)
-            if builders.gateway_api(p.spec):
-                await apply_service(p, builders.CANARY)
+            if manifests.gateway_api(p.spec):
+                await apply_service(p, manifests.CANARY)
         elif canary is not None:
             await p.ctx.kube.delete("Deployment", p.ns, canary["metadata"]["name"])
             p.record("Normal", "CanaryRemoved", f"deleted Deployment {canary['metadata']['name']}")
             canary = None
-    seen, seen_canary = builders.observe_deployment(dep), builders.observe_deployment(canary)
+    seen, seen_canary = observations.observe_deployment(dep), observations.observe_deployment(canary)
     failed = any(o.state == "Failed" for o in p.out["engines"])
     conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists),
                   "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None,
                                        rolled_back=tracks.rolled_back,
                                        scaling_up_from=p.out["scaling"].scaling_up_from)}
     status = {"replicas": seen.replicas + seen_canary.replicas, "readyReplicas": seen.ready + seen_canary.ready,
-              "selector": f"{builders.LABEL_MODEL}={p.name}"}
+              "selector": f"{contract.LABEL_MODEL}={p.name}"}
     starting = tracks.stable is not None and (not seen.rolled_out or (seen.desired > 0 and seen.ready == 0))
     told = [] if p.invalid is not None else transition_events(p.previous.get("conditions"), conditions)
     return StepResult(conditions=conditions, status=status, waiting=starting, events=told)  # InvalidSpec tells
@@ -56,7 +57,7 @@ async def step(p: Pass) -> StepResult:
 
 # ------------------------------------------------------------------------ pure
 
-def available(seen: builders.DeploymentObservation, invalid: bool, waiting: bool) -> Condition:
+def available(seen: observations.DeploymentObservation, invalid: bool, waiting: bool) -> Condition:
     if invalid:
         if seen.exists and seen.ready > 0:
             return (True, "MinimumReplicasAvailable", f"{seen.ready} ready replica(s) of the previous version")
@@ -70,7 +71,7 @@ def available(seen: builders.DeploymentObservation, invalid: bool, waiting: bool
     return (False, "Deploying", "creating the runtime Deployment")
 
 
-def degraded(seen: builders.DeploymentObservation, invalid: str | None, failed: bool, current: bool,
+def degraded(seen: observations.DeploymentObservation, invalid: str | None, failed: bool, current: bool,
              rolled_back: Mapping[str, Any] | None = None, scaling_up_from: int | None = None) -> Condition:
     serving = seen.exists and seen.ready > 0
     if invalid is not None:
@@ -103,11 +104,11 @@ def transition_events(old: Any, new: Mapping[str, Condition]) -> list[Event]:
 
 def restore_patch(last: Any, new: dict[str, Any], drift: list[str]) -> dict[str, Any]:
     """The merge patch from the last applied manifest to `new`; containers whole when they drifted."""
-    patch = builders.merge_patch_between(last, new) if isinstance(last, dict) else json.loads(json.dumps(new))
+    patch = manifests.merge_patch_between(last, new) if isinstance(last, dict) else json.loads(json.dumps(new))
     if isinstance(last, dict):  # the annotations themselves always go in whole
         ann = new["metadata"]["annotations"]
         patch.setdefault("metadata", {})["annotations"] = {
-            builders.ANN_APPLIED: ann[builders.ANN_APPLIED], builders.ANN_APPLIED_HASH: ann[builders.ANN_APPLIED_HASH]}
+            contract.ANN_APPLIED: ann[contract.ANN_APPLIED], contract.ANN_APPLIED_HASH: ann[contract.ANN_APPLIED_HASH]}
     if drift:
         pod = patch.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {})
         pod["containers"] = new["spec"]["template"]["spec"]["containers"]
@@ -118,19 +119,19 @@ def restore_patch(last: Any, new: dict[str, Any], drift: list[str]) -> dict[str,
 
 async def set_replicas(p: Pass, dep: Mapping[str, Any] | None, replicas: int) -> Mapping[str, Any] | None:
     """spec.replicas alone (a scale or a traffic shift never changes the pod template)."""
-    if dep is None or builders.ANN_APPLIED_HASH not in (dep["metadata"].get("annotations") or {}):
+    if dep is None or contract.ANN_APPLIED_HASH not in (dep["metadata"].get("annotations") or {}):
         return dep
     if int((dep.get("spec") or {}).get("replicas", 1)) == replicas:
         return dep
     patch: dict[str, Any] = {"spec": {"replicas": replicas}}
-    if builders.observe_deployment(dep).rolled_out:  # then the generation this makes is a scale alone
-        patch["metadata"] = {"annotations": {builders.ANN_SCALED_FROM: str(dep["metadata"].get("generation") or 0)}}
+    if observations.observe_deployment(dep).rolled_out:  # then the generation this makes is a scale alone
+        patch["metadata"] = {"annotations": {observations.ANN_SCALED_FROM: str(dep["metadata"].get("generation") or 0)}}
     return await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"], patch)
 
 
 async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track, replicas: int) -> Mapping[str, Any]:
     name, kube = track.applied["metadata"]["name"], p.ctx.kube
-    new = builders.with_applied(track.applied)
+    new = manifests.with_applied(track.applied)
     if dep is None:
         body = json.loads(json.dumps(new))
         body["spec"]["replicas"] = replicas
@@ -139,34 +140,34 @@ async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track,
             p.record("Normal", "Deploying", f"created Deployment {name} serving engine {track.engines[0].engine.key}")
     annotations = dep["metadata"].get("annotations") or {}
     try:
-        last = json.loads(annotations.get(builders.ANN_APPLIED) or "null")
+        last = json.loads(annotations.get(contract.ANN_APPLIED) or "null")
     except ValueError:
         last = None
     # Drift is the live object differing from what Kiln last applied, not from the new
     # manifest (a version change is no one's edit).
-    drift = builders.template_drift(dep, last if isinstance(last, dict) else track.applied)
+    drift = observations.template_drift(dep, last if isinstance(last, dict) else track.applied)
     if drift and p.ctx.stuck_drift.get((p.ns, name)) == track.hash:
         drift = []  # a patch could not undo it last time; not fought in a loop
-    if annotations.get(builders.ANN_APPLIED_HASH) == track.hash and not drift:
+    if annotations.get(contract.ANN_APPLIED_HASH) == track.hash and not drift:
         return dep
-    old_key = ((dep["spec"].get("template") or {}).get("metadata") or {}).get("labels", {}).get(builders.LABEL_ENGINE_KEY)
+    old_key = ((dep["spec"].get("template") or {}).get("metadata") or {}).get("labels", {}).get(contract.LABEL_ENGINE_KEY)
     dep = await kube.patch("Deployment", p.ns, name, restore_patch(last, new, drift))
     key = track.engines[0].engine.key
     if drift:
         p.record("Warning", "DriftRestored", f"restored {', '.join(drift)} of Deployment {name}, changed outside Kiln")
-        if builders.template_drift(dep, track.applied):
+        if observations.template_drift(dep, track.applied):
             p.ctx.stuck_drift[(p.ns, name)] = track.hash
-    if annotations.get(builders.ANN_APPLIED_HASH) != track.hash:
+    if annotations.get(contract.ANN_APPLIED_HASH) != track.hash:
         p.record("Normal", "Deploying", f"rolling Deployment {name} from engine {old_key} to {key}"
                  if old_key and old_key != key else f"updated Deployment {name}")
     return dep
 
 
-async def apply_service(p: Pass, track: str = builders.STABLE) -> None:
-    desired = builders.runtime_service(p.model, p.spec, track)
+async def apply_service(p: Pass, track: str = manifests.STABLE) -> None:
+    desired = manifests.runtime_service(p.model, p.spec, track)
     name = desired["metadata"]["name"]
     svc = p.views.service(p.ns, name)
     if svc is None:
-        svc, _ = await p.ctx.kube.create(builders.with_applied(desired))
-    if (svc["metadata"].get("annotations") or {}).get(builders.ANN_APPLIED_HASH) != builders.manifest_hash(desired):
-        await p.ctx.kube.patch("Service", p.ns, name, builders.with_applied(desired))
+        svc, _ = await p.ctx.kube.create(manifests.with_applied(desired))
+    if (svc["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH) != manifests.manifest_hash(desired):
+        await p.ctx.kube.patch("Service", p.ns, name, manifests.with_applied(desired))

@@ -16,11 +16,11 @@ import dataclasses
 import json
 from typing import Any, Callable, Mapping
 
-from kiln.operator import builders
 from kiln.operator import conditions as cond
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import ApiError, Kube
 from kiln.operator.metrics import OperatorMetrics
+from kiln.operator.plan import EngineRef, plan_engines
 from kiln.runtime.api import spec as specmod
 
 Event = tuple[str, str, str]  # (type, reason, message)
@@ -62,11 +62,11 @@ class Context:
     # (namespace, Deployment) -> the applied hash whose drift a patch could not undo (someone
     # keeps changing it back, e.g. a mutating webhook): not fought in a loop until the hash changes.
     stuck_drift: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
-    plans: dict[str, tuple[str, dict[str, Any], list[str], list[builders.EngineRef]]] = dataclasses.field(
+    plans: dict[str, tuple[str, dict[str, Any], list[str], list[EngineRef]]] = dataclasses.field(
         default_factory=dict)
     refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # uid -> passes refused in a row (backoff)
 
-    def plan(self, uid: str, raw_spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[builders.EngineRef]]:
+    def plan(self, uid: str, raw_spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[EngineRef]]:
         """Defaulted spec, validation problems, engines - computed once per distinct spec
         (validating against the CRD schema and its CEL rules costs milliseconds)."""
         text = json.dumps(raw_spec, sort_keys=True, separators=(",", ":"))
@@ -75,10 +75,10 @@ class Context:
             return cached[1], cached[2], cached[3]
         spec = specmod.apply_defaults(dict(raw_spec))
         problems = specmod.validate_for_cluster(spec)
-        engines: list[builders.EngineRef] = []
+        engines: list[EngineRef] = []
         if not problems:
             try:
-                engines = builders.plan_engines(spec, self.config)
+                engines = plan_engines(spec, self.config)
             except ValueError as e:
                 problems = [str(e)]
         self.plans[uid] = (text, spec, problems, engines)
@@ -103,7 +103,7 @@ class Pass:
     model: Mapping[str, Any]
     views: Views
     spec: dict[str, Any]
-    engines: list[builders.EngineRef]
+    engines: list[EngineRef]
     invalid: str | None  # why the spec cannot work; steps then act on nothing
     previous: Mapping[str, Any]  # the status as last written
     out: dict[str, Any] = dataclasses.field(default_factory=dict)  # step name -> its `StepResult.out`

@@ -1,17 +1,15 @@
 """The InferenceModel API in Python: the CRD, defaulting and validation as the API server does them.
 
 The CRD (`crds/inferencemodels.kiln.dev.yaml`, shipped in the wheel as `kiln.crds`) is the
-one source of truth; nothing here restates its fields.
+one source of truth; nothing here restates its fields. Reading a manifest file is
+manifest.py's (`load_manifest`).
 
 - `load_crd()`, `schema()`: the CRD and its v1alpha1 `openAPIV3Schema`.
-- `load_manifest(path)`: the InferenceModel document of a YAML file (`read_manifest(path)`:
-  all its documents), read through `ManifestLoader` within bounds: a regular file of at
-  most MAX_MANIFEST_BYTES, no duplicate keys, aliases expanding to at most MAX_YAML_NODES
-  nodes and MAX_YAML_DEPTH levels. Every problem is a one-line ManifestError.
 - `apply_defaults(obj)`: structural defaulting, as the API server applies the schema's
   `default`s. Takes a whole InferenceModel (a dict with any of apiVersion, kind, metadata,
   spec, status) or just its spec (the operator calls it on `body.spec`, so it works against
   an emulated API server that does not default). Returns a new dict.
+  `runtime_with_defaults(runtime)`: the same for a bare `spec.runtime`.
 - `validate(obj)`: what `kubectl apply` would be told, as a list of messages formatted like
   the API server's (`spec.autoscaling: Invalid value: minReplicas must be <=
   maxReplicas`); empty when the object is accepted. Same object-or-spec rule as above; a
@@ -20,7 +18,8 @@ one source of truth; nothing here restates its fields.
 - `is_name(s)`, `is_namespace(s)`: whether a string may name an InferenceModel, a namespace
   (the same rules; the alert receiver checks its labels with them).
 
-Pure Python with PyYAML and jsonschema; cel-python is imported only when a CEL rule runs.
+Pure Python with PyYAML and jsonschema; the CEL rules run in cel.py (cel-python, imported
+only when a rule runs).
 """
 
 from __future__ import annotations
@@ -30,27 +29,22 @@ import functools
 import importlib.resources
 import json
 import re
-from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import yaml
 
+from kiln.runtime.api.cel import run_rule
 from kiln.runtime.api.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: F401 (re-exported)
+from kiln.runtime.api.fielderrors import field_path, go_format, join_path, translate, type_error
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{CRD_NAME}.yaml"
 
 _OBJECT_KEYS = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
 
-# Bounds on a manifest file. An InferenceModel is a few KiB; the bounds keep a hostile or
-# broken file (a YAML "billion laughs" alias bomb, a FIFO, /dev/zero) from hanging kiln.
-MAX_MANIFEST_BYTES = 1 << 20
-MAX_YAML_NODES = 100_000  # per document, every alias counted at its full expansion
-MAX_YAML_DEPTH = 100  # nesting levels per document
 
-
-# ---------------------------------------------------------------------------- loading
+# ---------------------------------------------------------------------------- the CRD
 
 @functools.lru_cache(maxsize=1)
 def _crd_text() -> str:
@@ -73,115 +67,6 @@ def _schema(version: str) -> dict:
 def schema(version: str = VERSION) -> dict:
     """The `openAPIV3Schema` of one served version (a fresh copy; callers may change it)."""
     return copy.deepcopy(_schema(version))
-
-
-class ManifestError(ValueError):
-    """A manifest file that cannot be read or parsed; the message is one line, path first."""
-
-
-class ManifestLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses duplicate mapping keys (the API server's strict decoding
-    does; PyYAML would keep the last) and documents whose aliases expand past
-    MAX_YAML_NODES nodes or MAX_YAML_DEPTH levels (PyYAML shares aliased nodes, but every
-    consumer of the data walks them expanded)."""
-
-    def construct_document(self, node):
-        _check_expansion(node)
-        return super().construct_document(node)
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            first: dict[Any, yaml.Node] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *base` keys may be overridden, as YAML intends
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    seen = first.setdefault(key, key_node)
-                except TypeError:
-                    continue  # an unhashable key: SafeConstructor refuses it below
-                if seen is not key_node:
-                    raise yaml.constructor.ConstructorError(
-                        problem=f"duplicate key {_go(key)} (first at line {seen.start_mark.line + 1})",
-                        problem_mark=key_node.start_mark)
-        return super().construct_mapping(node, deep)
-
-
-def _check_expansion(root: yaml.Node) -> None:
-    """Walk the document as its consumers will (aliases expanded), stopping at the bounds."""
-    count = 0
-
-    def visit(node: yaml.Node, depth: int) -> None:
-        nonlocal count
-        count += 1
-        if count > MAX_YAML_NODES:
-            raise yaml.constructor.ConstructorError(
-                problem=f"the document expands to more than {MAX_YAML_NODES} YAML nodes "
-                        f"(aliases counted at their expansion); refusing it",
-                problem_mark=root.start_mark)
-        if depth > MAX_YAML_DEPTH:  # also where an alias refers to its own ancestor
-            raise yaml.constructor.ConstructorError(
-                problem=f"the document nests deeper than {MAX_YAML_DEPTH} levels; refusing it",
-                problem_mark=node.start_mark)
-        if isinstance(node, yaml.SequenceNode):
-            for item in node.value:
-                visit(item, depth + 1)
-        elif isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                visit(key, depth + 1)
-                visit(value, depth + 1)
-
-    visit(root, 0)
-
-
-def read_manifest(path: str | Path) -> list:
-    """Every non-empty document of a YAML file, within the bounds above; ManifestError otherwise."""
-    from kiln.runtime.api.localfile import NotARegularFile, open_regular
-
-    try:
-        with open_regular(path) as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: no such file") from None
-    except NotARegularFile as e:
-        raise ManifestError(f"{e}; a manifest is read only from a regular file") from None
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read it: {e.strerror or e}") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes "
-                            f"({MAX_MANIFEST_BYTES / (1 << 20):g} MiB), the limit for a manifest; "
-                            f"refusing it")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ManifestError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    try:
-        return [d for d in yaml.load_all(text, Loader=ManifestLoader) if d is not None]
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        context = f"{e.context}: " if e.context and e.problem else ""
-        raise ManifestError(f"{path}{where}: {context}{e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise ManifestError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
-    except RecursionError:  # PyYAML composes recursively: hundreds of levels end here
-        raise ManifestError(f"{path}: the YAML nests deeper than {MAX_YAML_DEPTH} levels; "
-                            f"refusing it") from None
-
-
-def load_manifest(path: str | Path) -> dict:
-    """The one InferenceModel document in a YAML file (other kinds in the file are skipped).
-
-    Raises ManifestError (a ValueError) when the file cannot be read within the bounds, is
-    not YAML, or holds no InferenceModel or more than one.
-    """
-    docs = read_manifest(path)
-    found = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
-    if len(found) != 1:
-        kinds = sorted({_go(d.get("kind")) for d in docs if isinstance(d, dict)})
-        seen = f" (the file has kind: {', '.join(kinds)})" if not found and kinds else ""
-        raise ManifestError(f"{path}: expected one {KIND} document, found {len(found)}{seen}")
-    return found[0]
 
 
 def _plain(obj: Mapping) -> dict:
@@ -232,6 +117,22 @@ def _default(value: Any, node: dict) -> Any:
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         return [_default(v, node["items"]) for v in value]
     return value
+
+
+def runtime_with_defaults(runtime: Mapping[str, Any] | None = None) -> dict:
+    """`spec.runtime` with the CRD's defaults applied, as the API server stores it: for code
+    that writes a runtime spec by hand (tests, benchmarks) instead of reading a stored one."""
+    return apply_defaults({"runtime": dict(runtime or {})})["runtime"]
+
+
+def require_keys(section: Mapping[str, Any], keys: Iterable[str], where: str) -> None:
+    """ValueError naming each of `keys` that `section` (the map at `where`, e.g.
+    `runtime.batching`) lacks. Code that reads a spec relies on its defaults having been
+    applied (by the API server, `kiln serve`, runtime_with_defaults) and restates none."""
+    missing = [f"{where}.{k}" for k in keys if k not in section]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: the spec "
+                         f"needs the CRD's defaults applied (kiln.runtime.api.spec.apply_defaults)")
 
 
 # ---------------------------------------------------------------------------- validation
@@ -296,7 +197,7 @@ def _object_errors(obj: dict) -> list[str]:
         if got is None or got == "":
             errors.append(f"{field}: Required value")
         elif isinstance(got, str) and got != want:  # another type: the schema says so
-            errors.append(f"{field}: Unsupported value: {_go(got)}: supported values: {_go(want)}")
+            errors.append(f"{field}: Unsupported value: {go_format(got)}: supported values: {go_format(want)}")
     meta = obj.get("metadata") or {}
     if isinstance(meta, dict):  # another type: the schema says so
         if meta.get("name") in (None, ""):
@@ -320,18 +221,13 @@ def is_namespace(value: Any) -> bool:
 
 def _name_errors(where: str, value: Any, max_len: int, pattern: re.Pattern, message: str) -> list[str]:
     if not isinstance(value, str):
-        return [_type_error(where, "string", value)]
+        return [type_error(where, "string", value)]
     errors = []
     if len(value) > max_len:
-        errors.append(f"{where}: Invalid value: {_go(value)}: must be no more than {max_len} characters")
+        errors.append(f"{where}: Invalid value: {go_format(value)}: must be no more than {max_len} characters")
     if not pattern.fullmatch(value):
-        errors.append(f"{where}: Invalid value: {_go(value)}: {message}")
+        errors.append(f"{where}: Invalid value: {go_format(value)}: {message}")
     return errors
-
-
-def _type_error(where: str, want: str, got: Any) -> str:
-    return (f"{where}: Invalid value: {json.dumps(_json_type(got))}: {where} in body must be of "
-            f"type {want}: {json.dumps(_json_type(got))}")
 
 
 def _get(value: Any, *keys: str) -> Any:
@@ -353,7 +249,7 @@ def validate_for_cluster(obj: Mapping) -> list[str]:
     spec = plain.get("spec") if _OBJECT_KEYS & plain.keys() else plain
     uri = _get(spec, "model", "uri")
     if isinstance(uri, str) and uri.startswith(DEV_ONLY_SCHEMES):
-        errors.append(f"spec.model.uri: Invalid value: {_go(uri)}: file:// URIs are for `kiln dev` only; "
+        errors.append(f"spec.model.uri: Invalid value: {go_format(uri)}: file:// URIs are for `kiln dev` only; "
                       f"in a cluster use pvc://<claim>/<path>, https:// or s3://")
     return errors
 
@@ -368,56 +264,6 @@ def _builder_flag_errors(value: Mapping, prefix: str) -> list[str]:
     return []
 
 
-def _join(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
-
-
-def _path(prefix: str, node: dict | None, parts) -> str:
-    """Field path as the API server prints it: `a.b[0]`, map keys as `labels[kiln.dev/role]`."""
-    path = prefix
-    for part in parts:
-        props = (node or {}).get("properties", {})
-        if isinstance(part, int):
-            path, node = _join(path, part), (node or {}).get("items")
-        elif part in props:
-            path, node = _join(path, part), props[part]
-        else:
-            path, node = f"{path}.{part}", (node or {}).get("additionalProperties")
-            node = node if isinstance(node, dict) else None
-    return path
-
-
-def _go(value: Any) -> str:
-    """A value as Go's %v/%q would show it in a field error."""
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # Go's %q keeps printable Unicode
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(_json_type(value))
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
 def _unknown_fields(value: Any, node: dict, path: str) -> Iterator[str]:
     if node.get("x-kubernetes-preserve-unknown-fields") or path == "metadata":
         return
@@ -426,14 +272,14 @@ def _unknown_fields(value: Any, node: dict, path: str) -> Iterator[str]:
         extra = node.get("additionalProperties")
         for k, v in value.items():
             if k in props:
-                yield from _unknown_fields(v, props[k], _join(path, k))
+                yield from _unknown_fields(v, props[k], join_path(path, k))
             elif isinstance(extra, dict):
                 yield from _unknown_fields(v, extra, f"{path}[{k}]")
             elif extra is not True:
-                yield _join(path, k)
+                yield join_path(path, k)
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         for i, v in enumerate(value):
-            yield from _unknown_fields(v, node["items"], _join(path, i))
+            yield from _unknown_fields(v, node["items"], join_path(path, i))
 
 
 @functools.lru_cache(maxsize=4)
@@ -461,48 +307,12 @@ def _schema_errors(value: dict, node: dict, prefix: str) -> tuple[list[str], boo
     out: list[str] = []
     blocking = False
     for err in _validator(prefix).iter_errors(value):
-        path = _path(prefix, node, err.absolute_path)
+        path = field_path(prefix, node, err.absolute_path)
         blocking = blocking or err.validator in _BLOCKING
-        for msg in _translate(err, path):
+        for msg in translate(err, path):
             if msg not in out:
                 out.append(msg)
     return out, blocking
-
-
-def _translate(err, path: str) -> Iterator[str]:
-    kw, want, got = err.validator, err.validator_value, err.instance
-    where = path or "<nil>"
-    if kw == "required":
-        for name in want:
-            if isinstance(got, dict) and name not in got:
-                yield f"{_join(path, name)}: Required value"
-    elif kw == "type":  # a nullable field's ["number", "null"]: the API server says number
-        yield _type_error(where, ",".join(t for t in want if t != "null") if isinstance(want, list) else want, got)
-    elif kw == "enum":
-        supported = ", ".join(json.dumps(v) for v in want)
-        yield f"{where}: Unsupported value: {_go(got)}: supported values: {supported}"
-    elif kw == "pattern":
-        yield f"{where}: Invalid value: {_go(got)}: {where} in body should match '{want}'"
-    elif kw == "minimum":
-        yield (f"{where}: Invalid value: {_go(got)}: {where} in body should be greater than "
-               f"or equal to {want}")
-    elif kw == "maximum":
-        yield (f"{where}: Invalid value: {_go(got)}: {where} in body should be less than or "
-               f"equal to {want}")
-    elif kw == "minLength":
-        yield f"{where}: Invalid value: {_go(got)}: {where} in body should be at least {want} chars long"
-    elif kw == "maxLength":
-        yield f"{where}: Too long: may not be more than {want} bytes"
-    elif kw == "minItems":
-        yield f"{where}: Invalid value: {len(got)}: {where} in body should have at least {want} items"
-    elif kw == "maxItems":
-        yield f"{where}: Too many: {len(got)}: must have at most {want} items"
-    elif kw == "maxProperties":
-        yield f"{where}: Too many: {len(got)}: must have at most {want} items"
-    elif kw == "anyOf" and all("type" in s for s in want):
-        yield _type_error(where, ",".join(s["type"] for s in want), got)
-    else:
-        yield f"{where}: Invalid value: {_go(got)}: {err.message}"
 
 
 def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator[str]:
@@ -512,7 +322,7 @@ def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator
     for rule in node.get("x-kubernetes-validations") or [] if rules else []:
         if "oldSelf" in rule["rule"]:
             continue
-        msg = _run_rule(rule, value, node)
+        msg = run_rule(rule, value, node)
         if msg is not None:
             yield f"{path or '<nil>'}: Invalid value: {msg}"
     if isinstance(value, dict):
@@ -520,7 +330,7 @@ def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator
         extra = node.get("additionalProperties")
         for k, v in value.items():
             if k in props:
-                yield from _walk_k8s(v, props[k], _join(path, k), rules)
+                yield from _walk_k8s(v, props[k], join_path(path, k), rules)
             elif isinstance(extra, dict):
                 yield from _walk_k8s(v, extra, f"{path}[{k}]", rules)
     elif isinstance(value, list):
@@ -528,7 +338,7 @@ def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator
         items = node.get("items")
         if isinstance(items, dict):
             for i, v in enumerate(value):
-                yield from _walk_k8s(v, items, _join(path, i), rules)
+                yield from _walk_k8s(v, items, join_path(path, i), rules)
 
 
 def _duplicates(value: list, node: dict, path: str) -> Iterator[str]:
@@ -542,56 +352,9 @@ def _duplicates(value: list, node: dict, path: str) -> Iterator[str]:
             continue  # not an object: the schema says so; it has no keys to compare
         ident = item if kind == "set" else tuple((k, item.get(k)) for k in keys)
         if ident in seen:
-            shown = _go(item) if kind == "set" else "{" + ", ".join(
-                f"{json.dumps(k)}: {_go(v)}" for k, v in ident) + "}"
-            yield f"{_join(path, i)}: Duplicate value: {shown}"
+            shown = go_format(item) if kind == "set" else "{" + ", ".join(
+                f"{json.dumps(k)}: {go_format(v)}" for k, v in ident) + "}"
+            yield f"{join_path(path, i)}: Duplicate value: {shown}"
         else:
             seen.append(ident)
-
-
-# ---------------------------------------------------------------------------- CEL
-
-@functools.lru_cache(maxsize=256)
-def _program(rule: str):
-    import celpy
-
-    env = celpy.Environment()
-    return env.program(env.compile(rule))
-
-
-def _run_rule(rule: dict, value: Any, node: dict) -> str | None:
-    """None when the rule holds, else the message the API server would give."""
-    import celpy
-
-    expr = rule["rule"]
-    message = rule.get("message") or f"failed rule: {expr}"
-    try:
-        result = _program(expr).evaluate({"self": _to_cel(value, node)})
-    except celpy.CELEvalError as e:
-        return f"{e.args[0] if e.args else e} evaluating rule: {expr}"
-    if isinstance(result, celpy.CELEvalError):
-        return f"{result.args[0] if result.args else result} evaluating rule: {expr}"
-    return None if bool(result) else message
-
-
-def _to_cel(value: Any, node: dict | None):
-    """A JSON value as CEL sees it through its schema (numbers in a `number` field are doubles)."""
-    from celpy import celtypes
-    from celpy.adapter import json_to_cel
-
-    node = node or {}
-    if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
-        return json_to_cel(value)
-    if isinstance(value, dict):
-        props = node.get("properties", {})
-        extra = node.get("additionalProperties")
-        return celtypes.MapType({
-            celtypes.StringType(k): _to_cel(
-                v, props.get(k) if k in props else (extra if isinstance(extra, dict) else None))
-            for k, v in value.items()})
-    if isinstance(value, list):
-        return celtypes.ListType([_to_cel(v, node.get("items")) for v in value])
-    if node.get("type") == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return celtypes.DoubleType(float(value))
-    return json_to_cel(value)
 

@@ -10,9 +10,10 @@ resolved against the manifest's directory; `kiln dev` is the one command that re
 URIs (a build Job refuses them).
 
 Exit codes: 0 stopped by Ctrl-C; 1 the build or the server failed; 2 the manifest cannot be
-read (not a regular file, over spec.MAX_MANIFEST_BYTES, not YAML, duplicate keys, aliases
-expanding past spec.MAX_YAML_NODES nodes or spec.MAX_YAML_DEPTH levels) or is invalid, or a
-tensorrt manifest on a machine without a GPU; 2 also when the runtime extra is missing.
+read (not a regular file, over manifest.MAX_MANIFEST_BYTES, not YAML, duplicate keys,
+aliases expanding past manifest.MAX_YAML_NODES nodes or manifest.MAX_YAML_DEPTH levels) or
+is invalid, or a tensorrt manifest on a machine without a GPU; 2 also when the runtime extra
+is missing.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _fail(message: str, code: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from kiln.runtime.api import spec
+    from kiln.runtime.api import manifest, spec
     from kiln.runtime.serving.process import configure_logging
 
     configure_logging("INFO" if args.verbose else "WARNING")
@@ -98,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e), 2)
     path = Path(args.file)
     try:
-        obj = spec.load_manifest(path)
-    except spec.ManifestError as e:
+        obj = manifest.load_manifest(path)
+    except manifest.ManifestError as e:
         return _fail(str(e), 2)
     model_spec = obj.get("spec", {}).get("model") if isinstance(obj.get("spec"), dict) else None
     if isinstance(model_spec, dict) and isinstance(model_spec.get("uri"), str):
@@ -159,7 +160,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
            runtime: dict, cache_dir: Path) -> int:
     import asyncio
 
-    from kiln.runtime.engine.cache import relative_path
+    from kiln.runtime.engine.cache.entry import relative_path
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
     from kiln.runtime.serving.process import run_event_loop, run_until_stopped

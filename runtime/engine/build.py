@@ -107,7 +107,7 @@ class BuildRequest:
 
 @dataclass
 class BuildResult:
-    manifest: Any  # cache.Manifest
+    manifest: Any  # cache.entry.Manifest
     path: str  # relative to the cache root: <namespace>/<model>/<key>
     cache_hit: bool
     seconds: float
@@ -172,7 +172,9 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
 
     `allow_local_files`: read file:// URIs and plain paths (only `kiln dev` sets it; a build
     Job must not read its node's disk)."""
-    from kiln.runtime.engine import cache, fetch
+    from kiln.runtime.engine import fetch
+    from kiln.runtime.engine.cache.entry import CacheError, entry_dir, lookup, relative_path
+    from kiln.runtime.engine.cache.publish import publish, remove_dead_temporaries
     from kiln.runtime.api import enginekey
     from kiln.runtime.engine.backends import base, get_backend
 
@@ -189,26 +191,26 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     key, ours = inputs.key, inputs.to_dict()
     if request.key and request.key != key:
         raise KeyMismatch(_explain_key_mismatch(request, ours, key))
-    rel = cache.relative_path(request.namespace, request.name, key)
+    rel = relative_path(request.namespace, request.name, key)
     log(f"engine key {key} ({backend.name} {version}, {request.target}, "
         f"{request.engine['precision']})")
 
-    entry = cache.entry_dir(cache_dir, request.namespace, request.name, key)
+    entry = entry_dir(cache_dir, request.namespace, request.name, key)
     quarantined = None
     try:
-        existing = cache.lookup(cache_dir, request.namespace, request.name, key)
-    except cache.CacheError as e:
+        existing = lookup(cache_dir, request.namespace, request.name, key)
+    except CacheError as e:
         existing, quarantined = None, _quarantine(cache_dir, request, key, str(e), log)
     if existing is not None:
         log(f"cache hit: {rel} ({existing.size_bytes} bytes, built {existing.built_at})")
         try:
             load_seconds = _load_check(backend, entry, clock, log, request.sequence_states)
-        except (base.BackendError, cache.CacheError) as e:
+        except (base.BackendError, CacheError) as e:
             quarantined = _quarantine(cache_dir, request, key,
                                       f"the cached engine does not load: {e}", log)
         else:
             return BuildResult(existing, rel, True, clock() - started, load_seconds)
-    for debris in cache.remove_dead_temporaries(cache_dir, request.namespace, request.name, key):
+    for debris in remove_dead_temporaries(cache_dir, request.namespace, request.name, key):
         log(f"removed {debris.name}, left by a build of this key that did not finish")
 
     if backend.name == "tensorrt":
@@ -234,7 +236,7 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
             raise _backend_error(e) from None
         build_seconds = clock() - build_started
         log(f"built in {build_seconds:.2f} s ({len(engine)} bytes)")
-        manifest = cache.publish(
+        manifest = publish(
             cache_dir, request.namespace, request.name, key, engine,
             engine_file=backend.engine_filename, inputs=ours, backend=backend.name,
             backend_version=version, target=request.target, build_seconds=build_seconds)
@@ -245,7 +247,7 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     log(f"published {rel} ({manifest.size_bytes} bytes, sha256 {manifest.sha256})")
     try:
         load_seconds = _load_check(backend, entry, clock, log, request.sequence_states)
-    except (base.BackendError, cache.CacheError) as e:
+    except (base.BackendError, CacheError) as e:
         # Left in place: the next build of the key finds it does not load and moves it aside.
         raise BuildError(f"the engine {backend.name} {version} just built and published as "
                          f"{rel} does not load back: {e}") from None
@@ -254,9 +256,9 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
 
 def _quarantine(cache_dir, request: BuildRequest, key: str, reason: str,
                 log: Log) -> dict[str, str] | None:
-    from kiln.runtime.engine import cache
+    from kiln.runtime.engine.cache.publish import quarantine
 
-    aside = cache.quarantine(cache_dir, request.namespace, request.name, key, reason)
+    aside = quarantine(cache_dir, request.namespace, request.name, key, reason)
     if aside is None:  # another builder moved it first
         log(f"the corrupt entry for {key} was already moved aside ({reason}); building it")
         return None
@@ -272,14 +274,14 @@ def _load_check(backend, entry, clock: Callable[[], float], log: Log,
     every pod; the time is what the operator sizes the pods' startup probe from.
     `sequence_states` (spec.runtime.sequences.states) must fit the engine's tensors, else
     BadRequest naming both tensors (the engine stays published: a spec fix is a cache hit).
-    Raises cache.CacheError or the backend's BackendError."""
-    from kiln.runtime.engine import cache
+    Raises cache.entry.CacheError or the backend's BackendError."""
+    from kiln.runtime.engine.cache.verify import read_verified
 
     started = clock()
     # The one read that also recomputes the whole file's sha256: it proves, from the bytes
     # on the volume, that the manifest's chunk digests and whole digest describe one file
     # (pods check the chunk digests only).
-    data, manifest, _ = cache.read_verified(entry, whole_digest=True)
+    data, manifest, _ = read_verified(entry, whole_digest=True)
     engine = backend.load(data, manifest.profiles())
     try:
         engine.create_context().close()

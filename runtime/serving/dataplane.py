@@ -42,7 +42,7 @@ from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import LOADING, UNHEALTHY, Model
 from kiln.runtime.serving.refusals import (NOT_READY_RETRY_AFTER, OUTCOME, Kind, ModelUnavailable,
                                            Refusal, scheduler_refusal)
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, Overloaded
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded
 from kiln.runtime.serving.sequences.params import request_tenant
 
 log = logging.getLogger("kiln.runtime.serving.dataplane")

@@ -39,7 +39,7 @@ from kiln.runtime.api.enginekey import CPU_TARGET, normalize_target
 from kiln.runtime.serving.metrics import ServerMetrics
 
 if TYPE_CHECKING:  # imported where used: a front-end process needs none of them
-    from kiln.runtime.engine.cache import Manifest
+    from kiln.runtime.engine.cache.entry import Manifest
     from kiln.runtime.serving.scheduling.scheduler import Scheduler
     from kiln.runtime.serving.sequences.manager import SequenceManager
 
@@ -440,12 +440,12 @@ class ServedModel:
         return list(self.engine.inputs) + list(getattr(self.engine, "defaults", ()))
 
     def _read(self, entry: str):
-        from kiln.runtime.engine import cache
+        from kiln.runtime.engine.cache import verify
 
         if not os.path.isdir(entry):
             raise ModelLoadError(f"engine entry {entry} does not exist: is the cache volume "
                                  f"mounted and the engine built?")
-        return (self._reader or cache.read_verified)(entry)
+        return (self._reader or verify.read_verified)(entry)
 
     def _stage(self, stage: str, seconds: float) -> None:
         self.timings[stage] = seconds
@@ -484,7 +484,7 @@ class ServedModel:
     async def _submit(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         scheduler = self.scheduler
         if scheduler is None:  # closed after a drain timeout, or never loaded
-            from kiln.runtime.serving.scheduling.scheduler import ShuttingDown
+            from kiln.runtime.serving.scheduling.errors import ShuttingDown
             raise ShuttingDown(1.0, self.status_message())
         return await scheduler.submit(inputs)
 

@@ -81,8 +81,8 @@ def overloaded(model: str, why: str, retry_after: float) -> Refusal:
 def scheduler_refusal(model: str, e: Exception) -> Refusal:
     """A scheduler's refusal (raised by `model`'s scheduler, or by the engine process's
     for a front end) as the Refusal every door answers."""
-    from kiln.runtime.serving.scheduling.scheduler import (ExecutionFailed, InvalidBatch,
-                                                           Overloaded, ShuttingDown)
+    from kiln.runtime.serving.scheduling.errors import (ExecutionFailed, InvalidBatch, Overloaded,
+                                                        ShuttingDown)
 
     if isinstance(e, InvalidBatch):
         return Refusal(Kind.INVALID, str(e))

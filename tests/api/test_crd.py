@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kiln.runtime.api import enginekey, spec
+from kiln.runtime.api import enginekey, manifest, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / spec.CRD_FILE
@@ -57,13 +57,13 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_example_is_accepted(path):
-    obj = spec.load_manifest(path)
+    obj = manifest.load_manifest(path)
     assert obj["apiVersion"] == "kiln.dev/v1alpha1" and obj["kind"] == "InferenceModel"
     assert spec.validate(obj) == []
 
 
 def test_multi_gpu_example_builds_three_architectures():
-    engine = spec.apply_defaults(spec.load_manifest(ROOT / "examples" / "multi-gpu.yaml"))["spec"]["engine"]
+    engine = spec.apply_defaults(manifest.load_manifest(ROOT / "examples" / "multi-gpu.yaml"))["spec"]["engine"]
     assert sorted({enginekey.normalize_target(t) for t in engine["targets"]}) == ["sm80", "sm89", "sm90"]
 
 
@@ -85,7 +85,7 @@ def test_an_http_uri_is_accepted_with_a_pinned_digest():
 def test_invalid_manifest_is_rejected_with_its_message(path):
     expected = expected_messages(path)
     assert expected, f"{path.name} has no '# expect:' line"
-    assert spec.validate(spec.load_manifest(path)) == expected
+    assert spec.validate(manifest.load_manifest(path)) == expected
 
 
 def test_every_rule_has_an_invalid_manifest():
@@ -126,7 +126,7 @@ def test_a_number_bound_may_be_written_as_an_integer():
 
 
 def test_status_written_by_the_operator_is_accepted():
-    obj = spec.load_manifest(ROOT / "examples" / "vision-resnet50.yaml")
+    obj = manifest.load_manifest(ROOT / "examples" / "vision-resnet50.yaml")
     obj["status"] = {
         "phase": "Progressing", "observedGeneration": 3, "engineKey": "0123456789abcdef0123",
         "conditions": [{"type": "EngineReady", "status": "True", "observedGeneration": 3,
@@ -161,7 +161,7 @@ def test_status_written_by_the_operator_is_accepted():
 # ------------------------------------------------------------------ defaulting
 
 def test_apply_defaults_fills_what_the_api_server_would():
-    obj = spec.load_manifest(ROOT / "examples" / "text-bert.yaml")
+    obj = manifest.load_manifest(ROOT / "examples" / "text-bert.yaml")
     d = spec.apply_defaults(obj)["spec"]
     assert d["engine"]["builderFlags"] == {}
     assert d["build"] == {
@@ -183,7 +183,7 @@ def test_apply_defaults_fills_what_the_api_server_would():
 
 
 def test_apply_defaults_on_a_bare_spec_matches_the_whole_object():
-    obj = spec.load_manifest(ROOT / "examples" / "multi-gpu.yaml")
+    obj = manifest.load_manifest(ROOT / "examples" / "multi-gpu.yaml")
     assert spec.apply_defaults(obj["spec"]) == spec.apply_defaults(obj)["spec"]
 
 
@@ -197,7 +197,7 @@ def test_apply_defaults_defaults_array_items_and_null_fields():
 
 
 def test_apply_defaults_is_idempotent_and_pure():
-    obj = spec.load_manifest(ROOT / "examples" / "vision-resnet50.yaml")
+    obj = manifest.load_manifest(ROOT / "examples" / "vision-resnet50.yaml")
     before = copy.deepcopy(obj)
     once = spec.apply_defaults(obj)
     assert obj == before
@@ -216,7 +216,7 @@ def test_load_manifest_wants_exactly_one_inferencemodel(tmp_path):
     f = tmp_path / "two.yaml"
     f.write_text("kind: ConfigMap\n---\nkind: InferenceModel\n---\nkind: InferenceModel\n")
     with pytest.raises(ValueError, match="expected one InferenceModel document, found 2"):
-        spec.load_manifest(f)
+        manifest.load_manifest(f)
 
 
 # ------------------------------------------------------------------ the CRD itself

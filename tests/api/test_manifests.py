@@ -1,4 +1,4 @@
-"""Manifest input that is not a well-formed InferenceModel: what `spec.load_manifest` and
+"""Manifest input that is not a well-formed InferenceModel: what `manifest.load_manifest` and
 `spec.validate` (what `kiln dev` runs before anything else) say about it.
 
 Loading is bounded (a regular file, at most MAX_MANIFEST_BYTES, no duplicate keys, aliases
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.runtime.api import spec
+from kiln.runtime.api import manifest, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = """\
@@ -41,8 +41,8 @@ def write(tmp: Path, text: str | bytes, name: str = "m.yaml") -> Path:
 
 
 def refusal(path: Path) -> str:
-    with pytest.raises(spec.ManifestError) as e:
-        spec.load_manifest(path)
+    with pytest.raises(manifest.ManifestError) as e:
+        manifest.load_manifest(path)
     message = str(e.value)
     assert "\n" not in message and isinstance(e.value, ValueError)
     return message
@@ -51,7 +51,7 @@ def refusal(path: Path) -> str:
 # ------------------------------------------------------------------ reading the file
 
 def test_a_good_manifest_loads():
-    obj = spec.load_manifest(ROOT / "examples" / "demo" / "inferencemodel.yaml")
+    obj = manifest.load_manifest(ROOT / "examples" / "demo" / "inferencemodel.yaml")
     assert obj["metadata"]["name"] == "iris" and spec.validate(obj) == []
 
 
@@ -70,12 +70,12 @@ def test_a_missing_file(tmp_path):
 
 
 def test_the_size_bound(tmp_path):
-    padding = spec.MAX_MANIFEST_BYTES - len(GOOD)
+    padding = manifest.MAX_MANIFEST_BYTES - len(GOOD)
     at_bound = write(tmp_path, GOOD + "#" * (padding - 1) + "\n")
-    assert at_bound.stat().st_size == spec.MAX_MANIFEST_BYTES
-    assert spec.load_manifest(at_bound)["metadata"]["name"] == "resnet"
+    assert at_bound.stat().st_size == manifest.MAX_MANIFEST_BYTES
+    assert manifest.load_manifest(at_bound)["metadata"]["name"] == "resnet"
     over = write(tmp_path, GOOD + "#" * padding + "\n")
-    assert refusal(over) == (f"{over}: larger than {spec.MAX_MANIFEST_BYTES} bytes (1 MiB), the limit for "
+    assert refusal(over) == (f"{over}: larger than {manifest.MAX_MANIFEST_BYTES} bytes (1 MiB), the limit for "
                              f"a manifest; refusing it")
 
 
@@ -114,7 +114,7 @@ def test_ordinary_anchors_aliases_and_merge_keys_still_work(tmp_path):
     - <<: *first
       input: y
 """)
-    obj = spec.load_manifest(path)
+    obj = manifest.load_manifest(path)
     x, y = obj["spec"]["engine"]["profiles"]
     assert x["opt"] == [1, 4] and y == {"input": "y", "min": [1, 4], "opt": [1, 4], "max": [8, 4]}
     assert spec.validate(obj) == []
@@ -126,17 +126,17 @@ LAUGHS = GOOD + "  engine:\n    builderFlags:\n      lol0: &l0 lol\n" + "".join(
 
 @pytest.mark.parametrize("name, text, problem", [
     # The classic "billion laughs": 9 levels of 9 aliases, 1.4 KB, 10^9 strings once expanded.
-    ("billion laughs", LAUGHS, f"the document expands to more than {spec.MAX_YAML_NODES} YAML nodes "
+    ("billion laughs", LAUGHS, f"the document expands to more than {manifest.MAX_YAML_NODES} YAML nodes "
                                f"(aliases counted at their expansion); refusing it"),
     ("mappings of aliases", "a: &a {x: 1, y: 1, z: 1, w: 1}\n" + "".join(
         f"{c}: &{c} {{{', '.join(f'k{j}: *{p}' for j in range(12))}}}\n"
         for p, c in zip("abcdefgh", "bcdefghi")),
-     f"the document expands to more than {spec.MAX_YAML_NODES} YAML nodes (aliases counted at their "
+     f"the document expands to more than {manifest.MAX_YAML_NODES} YAML nodes (aliases counted at their "
      f"expansion); refusing it"),
     ("an alias inside itself", "kind: InferenceModel\nloop: &loop [*loop]\n",
-     f"the document nests deeper than {spec.MAX_YAML_DEPTH} levels; refusing it"),
-    ("deep nesting", "a: " + "[" * (spec.MAX_YAML_DEPTH + 1) + "]" * (spec.MAX_YAML_DEPTH + 1) + "\n",
-     f"the document nests deeper than {spec.MAX_YAML_DEPTH} levels; refusing it"),
+     f"the document nests deeper than {manifest.MAX_YAML_DEPTH} levels; refusing it"),
+    ("deep nesting", "a: " + "[" * (manifest.MAX_YAML_DEPTH + 1) + "]" * (manifest.MAX_YAML_DEPTH + 1) + "\n",
+     f"the document nests deeper than {manifest.MAX_YAML_DEPTH} levels; refusing it"),
 ])
 def test_alias_bombs_and_deep_nesting_are_refused_at_once(tmp_path, name, text, problem):
     path = write(tmp_path, text)
@@ -150,7 +150,7 @@ def test_alias_bombs_and_deep_nesting_are_refused_at_once(tmp_path, name, text, 
 def test_nesting_too_deep_for_the_yaml_parser_is_refused_too(tmp_path):
     depth = 2 * sys.getrecursionlimit()  # PyYAML composes recursively: past Python's recursion limit
     path = write(tmp_path, "a: " + "[" * depth + "]" * depth + "\n")
-    assert refusal(path) == f"{path}: the YAML nests deeper than {spec.MAX_YAML_DEPTH} levels; refusing it"
+    assert refusal(path) == f"{path}: the YAML nests deeper than {manifest.MAX_YAML_DEPTH} levels; refusing it"
 
 
 def test_a_file_without_an_inferencemodel_names_the_kinds_it_has(tmp_path):
@@ -279,7 +279,7 @@ ALLOWS = {"array": {"array"}, "object": {"object"}, "string": {"string"}, "integ
 
 def test_validate_answers_a_wrong_type_at_every_field_with_a_message():
     # `engine: [1]` once ended in a TypeError; every field of the schema, every wrong type.
-    base = spec.load_manifest(ROOT / "examples" / "vision-resnet50.yaml")
+    base = manifest.load_manifest(ROOT / "examples" / "vision-resnet50.yaml")
     checked = 0
     for parts, node in field_paths(spec.schema()):
         if not parts or "type" not in node:  # int-or-string and free-form fields take anything

@@ -426,8 +426,9 @@ def test_monitoring_objects_need_their_api_and_their_switch():
 
 def runtime_pod_template() -> dict:
     """A runtime pod as the operator builds it (labels, ports, annotations)."""
-    from kiln.operator import builders
+    from kiln.operator import manifests
     from kiln.operator.config import OperatorConfig
+    from kiln.operator.plan import plan_engines
     from kiln.runtime.api import spec as specmod
 
     model = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
@@ -435,8 +436,8 @@ def runtime_pod_template() -> dict:
     spec = specmod.apply_defaults({"model": {"uri": "pvc://models/resnet.onnx", "version": "1", "sha256": "3f" * 32},
                                    "engine": {"backend": "onnxruntime"}})
     config = OperatorConfig()
-    engines = builders.plan_engines(spec, config)
-    dep = builders.runtime_deployment(model, spec, engines, {e.index_key: {"path": "p"} for e in engines}, config)
+    engines = plan_engines(spec, config)
+    dep = manifests.runtime_deployment(model, spec, engines, {e.index_key: {"path": "p"} for e in engines}, config)
     return dep["spec"]["template"]
 
 

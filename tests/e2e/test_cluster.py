@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
-from kiln.operator import builders
+from kiln.operator import manifests
+from kiln.runtime.api import contract
 
 from support import snippets
 from support.localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
@@ -200,7 +201,7 @@ def jobs(api, ns: str) -> list[dict]:
 
 
 def runtime_pods(api, ns: str) -> list[dict]:
-    return [p for p in pods(api, ns, f"{builders.LABEL_MODEL}=iris") if not p["metadata"].get("deletionTimestamp")]
+    return [p for p in pods(api, ns, f"{contract.LABEL_MODEL}=iris") if not p["metadata"].get("deletionTimestamp")]
 
 
 def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, namespace, transcript):
@@ -252,13 +253,13 @@ def test_apply_builds_serves_scales_rolls_and_cleans_up(cluster, api, kubectl, n
     kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "2", digests["2"], replicas=2)))
     new_job = wait_for(lambda: [j for j in jobs(api, namespace) if old_key not in j["metadata"]["name"]], 60,
                        "the new version's build Job")[0]
-    new_key = new_job["metadata"]["labels"][builders.LABEL_KEY]
+    new_key = new_job["metadata"]["labels"][contract.LABEL_KEY]
     deployment = api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-runtime")
     if not api.status(namespace, "iris").get("engineKey") == new_key:
-        assert deployment["spec"]["template"]["metadata"]["labels"][builders.LABEL_ENGINE_KEY] == old_key
+        assert deployment["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == old_key
     wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready"
              and api.status(namespace, "iris").get("engineKey") == new_key
-             and all(p["metadata"]["labels"].get(builders.LABEL_ENGINE_KEY) == new_key and ready(p)
+             and all(p["metadata"]["labels"].get(contract.LABEL_ENGINE_KEY) == new_key and ready(p)
                      for p in runtime_pods(api, namespace))
              and len(runtime_pods(api, namespace)) == 2, 240, "version 2 rolled out")
     infer(runtime_pods(api, namespace)[0], rows)
@@ -560,8 +561,8 @@ def httproute(namespace: str, model: str, stable: int, canary: int) -> dict:
             "metadata": {"name": model, "namespace": namespace},
             "spec": {"parentRefs": [{"name": "inference"}],
                      "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": f"/v2/models/{model}"}}],
-                                "backendRefs": [{"name": model, "port": builders.SERVICE_PORT, "weight": stable},
-                                                {"name": f"{model}-canary", "port": builders.SERVICE_PORT,
+                                "backendRefs": [{"name": model, "port": contract.SERVICE_PORT, "weight": stable},
+                                                {"name": f"{model}-canary", "port": contract.SERVICE_PORT,
                                                  "weight": canary}]}]}}
 
 
@@ -585,7 +586,7 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
     assert [r["metadata"]["name"] for r in operator.items(routes)] == [model]
     route = operator.get(path)
     assert backend_weights(route) == [(model, 90), (canary, 10)]
-    operator.request("PATCH", path, builders.route_weights_patch(route, {model: 50, canary: 50}), JSON_PATCH)
+    operator.request("PATCH", path, manifests.route_weights_patch(route, {model: 50, canary: 50}), JSON_PATCH)
     assert backend_weights(operator.get(path)) == [(model, 50), (canary, 50)]
 
     # A route whose refs moved since it was read: the patch's tests fail it whole, nothing is written.
@@ -594,7 +595,7 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
     moved["rules"][0]["backendRefs"].reverse()
     api.request("PATCH", path, {"spec": moved}, "application/merge-patch+json")
     with pytest.raises(operator.ApiError) as refused:
-        operator.request("PATCH", path, builders.route_weights_patch(stale, {model: 0, canary: 100}), JSON_PATCH)
+        operator.request("PATCH", path, manifests.route_weights_patch(stale, {model: 0, canary: 100}), JSON_PATCH)
     assert refused.value.status == 422, refused.value
     assert backend_weights(operator.get(path)) == [(canary, 50), (model, 50)]
 
@@ -603,7 +604,7 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
     for weight, message in [(-1, "should be greater than or equal to 0"),
                             (1000001, "should be less than or equal to 1000000")]:
         with pytest.raises(operator.ApiError) as refused:
-            operator.request("PATCH", path, builders.route_weights_patch(route, {canary: weight}), JSON_PATCH)
+            operator.request("PATCH", path, manifests.route_weights_patch(route, {canary: weight}), JSON_PATCH)
         assert refused.value.status == 422 and "spec.rules[0].backendRefs[0].weight" in refused.value.message
         assert message in refused.value.message, refused.value.message
     # The CRD's CEL rules run too: a Service backend needs a port.
@@ -794,7 +795,7 @@ def test_uninstall_keeps_models_serving_and_the_documented_commands_remove_the_r
     models = demo_models(cluster, api, namespace)
     kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "1", sha256(model_version(models, "1")))))
     wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready", 180, "phase Ready")
-    index = f"/api/v1/namespaces/{namespace}/configmaps/{builders.ENGINE_INDEX}"
+    index = f"/api/v1/namespaces/{namespace}/configmaps/{contract.ENGINE_INDEX}"
     assert api.get(index)
     uninstall, removal = snippets.blocks("docs/operations.md", "sh", "Uninstall")
 
@@ -817,4 +818,4 @@ def test_uninstall_keeps_models_serving_and_the_documented_commands_remove_the_r
     # The foreground delete returned only once the garbage collector had removed all it owned.
     assert not api.items(f"/apis/apps/v1/namespaces/{namespace}/deployments") and not jobs(api, namespace)
     assert not api.items(f"/api/v1/namespaces/{namespace}/services")
-    assert not pods(api, namespace, f"{builders.LABEL_MODEL}=iris")
+    assert not pods(api, namespace, f"{contract.LABEL_MODEL}=iris")

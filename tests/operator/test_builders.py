@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from kiln.operator import builders as b
+from kiln.operator import manifests, observations
 from kiln.operator.config import OperatorConfig
-from kiln.runtime.api import enginekey
+from kiln.operator.plan import plan_engines
+from kiln.runtime.api import contract, enginekey
 from kiln.runtime.api import spec as specmod
 
 CONFIG = OperatorConfig(builder_image="registry.example/kiln:1", runtime_image="registry.example/kiln:1")
@@ -30,49 +31,49 @@ def spec(**over) -> dict:
 
 class TestPlanEngines:
     def test_default_target_and_key_from_enginekey(self):
-        [e] = b.plan_engines(spec(), CONFIG)
+        [e] = plan_engines(spec(), CONFIG)
         s = spec()
         assert (e.target, e.architecture) == ("sm90", "sm90")
         assert e.key == enginekey.key_inputs(s["model"], s["engine"], "sm90", "10.13.0").key
         assert e.job_name == f"kiln-build-{e.key}-sm90" and len(e.job_name) <= 63
 
     def test_products_collapse_to_distinct_architectures(self):
-        engines = b.plan_engines(spec(engine={"targets": ["H100", "A100", "H200", "9.0", "L4"]}), CONFIG)
+        engines = plan_engines(spec(engine={"targets": ["H100", "A100", "H200", "9.0", "L4"]}), CONFIG)
         assert [(e.target, e.architecture) for e in engines] == [("H100", "sm90"), ("A100", "sm80"), ("L4", "sm89")]
         assert len({e.key for e in engines}) == 3
 
     def test_onnxruntime_defaults_to_cpu(self):
-        [e] = b.plan_engines(spec(engine={"backend": "onnxruntime"}), CONFIG)
+        [e] = plan_engines(spec(engine={"backend": "onnxruntime"}), CONFIG)
         assert (e.architecture, e.backend_version) == ("cpu", "1.32.0")
 
     def test_backend_version_is_part_of_the_key(self):
-        [old] = b.plan_engines(spec(), CONFIG)
-        [new] = b.plan_engines(spec(), OperatorConfig(backend_versions={"tensorrt": "10.14.0"}))
+        [old] = plan_engines(spec(), CONFIG)
+        [new] = plan_engines(spec(), OperatorConfig(backend_versions={"tensorrt": "10.14.0"}))
         assert old.key != new.key
 
     @pytest.mark.parametrize("targets,needle", [(["Z9000"], "unknown target"), (["cpu"], "cannot build for")])
     def test_targets_that_cannot_work(self, targets, needle):
         with pytest.raises(ValueError, match=needle):
-            b.plan_engines(spec(engine={"targets": targets}), CONFIG)
+            plan_engines(spec(engine={"targets": targets}), CONFIG)
 
 
 class TestBuildJob:
     def job(self, **over):
         s = spec(**over)
-        return b.build_job(MODEL, s, b.plan_engines(s, CONFIG)[0], CONFIG)
+        return manifests.build_job(MODEL, s, plan_engines(s, CONFIG)[0], CONFIG)
 
     def test_identity_labels_and_owner(self):
         job = self.job()
-        key = b.plan_engines(spec(), CONFIG)[0].key
+        key = plan_engines(spec(), CONFIG)[0].key
         assert job["metadata"]["name"] == f"kiln-build-{key}-sm90"
         labels = job["metadata"]["labels"]
-        assert labels[b.LABEL_KEY] == key and labels[b.LABEL_TARGET] == "sm90"
+        assert labels[contract.LABEL_KEY] == key and labels[contract.LABEL_TARGET] == "sm90"
         assert labels["app.kubernetes.io/managed-by"] == "kiln"
         assert job["spec"]["template"]["metadata"]["labels"] == labels
         assert job["metadata"]["ownerReferences"] == [{"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceModel",
                                                        "name": "resnet50", "uid": "u-1", "controller": True,
                                                        "blockOwnerDeletion": True}]
-        assert job["metadata"]["annotations"][b.ANN_GENERATION] == "3"
+        assert job["metadata"]["annotations"][contract.ANN_GENERATION] == "3"
 
     def test_limits_and_placement_defaults(self):
         job = self.job()
@@ -100,7 +101,7 @@ class TestBuildJob:
         assert c["args"][0] == "build" and c["args"][-4:] == ["--cache-dir", "/var/cache/kiln", "--pvc-root",
                                                                "/mnt/models"]
         req = json.loads(c["args"][2])
-        e = b.plan_engines(spec(), CONFIG)[0]
+        e = plan_engines(spec(), CONFIG)[0]
         # The operator's own key inputs travel along, so a builder that disagrees can say why.
         assert enginekey.key_of(req.pop("keyInputs")) == e.key
         assert req == {"namespace": "vision", "name": "resnet50",
@@ -138,37 +139,37 @@ class TestJobOutcome:
             "exitCode": exit_code, "message": message, "finishedAt": "2026-01-01T00:00:00Z"}}}]}}
 
     def test_job_state(self):
-        assert b.job_state({}).phase == "Active"
-        assert b.job_state({"status": {"conditions": [{"type": "Complete", "status": "True"}]}}).phase == "Succeeded"
-        failed = b.job_state({"status": {"conditions": [{"type": "Failed", "status": "True",
-                                                         "reason": "DeadlineExceeded", "message": "too long"}]}})
+        assert observations.job_state({}).phase == "Active"
+        assert observations.job_state({"status": {"conditions": [{"type": "Complete", "status": "True"}]}}).phase == "Succeeded"
+        failed = observations.job_state({"status": {"conditions": [{"type": "Failed", "status": "True",
+                                                                    "reason": "DeadlineExceeded", "message": "too long"}]}})
         assert (failed.phase, failed.reason, failed.message) == ("Failed", "DeadlineExceeded", "too long")
 
     def test_result_from_termination_message_or_log_tail(self):
         ok = {"ok": True, "key": "k", "path": "a/b/k"}
-        assert b.termination_result([self.pod(json.dumps(ok))]) == ok
-        assert b.termination_result([self.pod("building...\nstill\n" + json.dumps(ok))]) == ok
-        assert b.termination_result([self.pod("")]) is None
-        assert b.termination_result([]) is None
+        assert observations.termination_result([self.pod(json.dumps(ok))]) == ok
+        assert observations.termination_result([self.pod("building...\nstill\n" + json.dumps(ok))]) == ok
+        assert observations.termination_result([self.pod("")]) is None
+        assert observations.termination_result([]) is None
 
     def test_failure_message_names_reason_and_job_condition(self):
         pod = self.pod(json.dumps({"ok": False, "reason": "DigestMismatch", "message": "got 12ab"}), exit_code=4)
-        reason, message = b.failure_message(b.JobState("Failed", "BackoffLimitExceeded", "limit"), [pod])
+        reason, message = observations.failure_message(observations.JobState("Failed", "BackoffLimitExceeded", "limit"), [pod])
         assert reason == "BuildFailed"
         assert message == "DigestMismatch: got 12ab; Job BackoffLimitExceeded: limit"
 
     def test_failure_without_json_uses_the_exit_code(self):
-        reason, message = b.failure_message(b.JobState("Failed", "BackoffLimitExceeded"), [self.pod("OOM", 7)])
+        reason, message = observations.failure_message(observations.JobState("Failed", "BackoffLimitExceeded"), [self.pod("OOM", 7)])
         assert message.startswith("exit code 7 (OutOfDisk): OOM")
 
 
 class TestRuntimeDeployment:
     def deployment(self, results=None, include_replicas=True, **over):
         s = spec(**over)
-        engines = b.plan_engines(s, CONFIG)
+        engines = plan_engines(s, CONFIG)
         results = results if results is not None else {
             e.index_key: {"path": f"vision/resnet50/{e.key}"} for e in engines}
-        return b.runtime_deployment(MODEL, s, engines, results, CONFIG, include_replicas=include_replicas), engines
+        return manifests.runtime_deployment(MODEL, s, engines, results, CONFIG, include_replicas=include_replicas), engines
 
     def test_args_contract(self):
         dep, [e] = self.deployment()
@@ -202,13 +203,13 @@ class TestRuntimeDeployment:
         assert passed["store"]["address"] == "redis.cache.svc:6379"
         assert passed["store"]["passwordSecretRef"] == {"name": "kiln-redis", "key": "password"}
         # The Service stays plain: any pod continues any sequence from the store.
-        svc = b.runtime_service(MODEL, spec(runtime={"sequences": sequences}))
+        svc = manifests.runtime_service(MODEL, spec(runtime={"sequences": sequences}))
         assert "sessionAffinity" not in svc["spec"] and svc["spec"]["selector"] == {"kiln.dev/model": "resnet50"}
         # The build is told the pairs, to check them against the engine (not part of the key).
-        [e] = b.plan_engines(spec(runtime={"sequences": sequences}), CONFIG)
-        request = b.build_request(MODEL, spec(runtime={"sequences": sequences}), e)
+        [e] = plan_engines(spec(runtime={"sequences": sequences}), CONFIG)
+        request = manifests.build_request(MODEL, spec(runtime={"sequences": sequences}), e)
         assert request["sequenceStates"] == [{"input": "past", "output": "present"}]
-        assert e.key == b.plan_engines(spec(), CONFIG)[0].key
+        assert e.key == plan_engines(spec(), CONFIG)[0].key
 
     def test_a_stateless_model_has_no_sequence_env(self):
         dep, _ = self.deployment()
@@ -242,7 +243,7 @@ class TestRuntimeDeployment:
         assert c["readinessProbe"]["httpGet"]["path"] == "/v2/models/resnet50/ready"
         assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
         assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
-        [e] = b.plan_engines(spec(), CONFIG)
+        [e] = plan_engines(spec(), CONFIG)
         measured, _ = self.deployment(results={e.index_key: {"path": "p", "loadSeconds": 12.5}})
         probe = measured["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
         assert probe["periodSeconds"] * probe["failureThreshold"] == 60  # 3 x 12.5 s, at least 60 s
@@ -252,7 +253,7 @@ class TestRuntimeDeployment:
         # A hung engine read ends as a not-ready model that says why, a little before the
         # kubelet restarts the pod; and a slow engine's load is never cut short by a
         # fixed default shorter than the probe allows.
-        [e] = b.plan_engines(spec(), CONFIG)
+        [e] = plan_engines(spec(), CONFIG)
         result = {"path": "p", **({"loadSeconds": load_seconds} if load_seconds else {})}
         dep, _ = self.deployment(results={e.index_key: result})
         c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -288,9 +289,9 @@ class TestRuntimeDeployment:
         dep, [e] = self.deployment()
         tmpl = dep["spec"]["template"]["metadata"]
         assert tmpl["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080",
-                                       "prometheus.io/path": "/metrics", b.LABEL_ENGINE_KEY: e.key}
-        assert tmpl["labels"][b.LABEL_MODEL] == "resnet50" and tmpl["labels"][b.LABEL_ENGINE_KEY] == e.key
-        assert dep["spec"]["selector"] == {"matchLabels": {b.LABEL_MODEL: "resnet50", b.LABEL_TRACK: "stable"}}
+                                       "prometheus.io/path": "/metrics", contract.LABEL_ENGINE_KEY: e.key}
+        assert tmpl["labels"][contract.LABEL_MODEL] == "resnet50" and tmpl["labels"][contract.LABEL_ENGINE_KEY] == e.key
+        assert dep["spec"]["selector"] == {"matchLabels": {contract.LABEL_MODEL: "resnet50", contract.LABEL_TRACK: "stable"}}
         assert dep["metadata"]["name"] == "resnet50-runtime"
 
     def test_replicas_left_out_when_autoscaled(self):
@@ -298,7 +299,7 @@ class TestRuntimeDeployment:
         assert dep["spec"]["replicas"] == 2
         auto, _ = self.deployment(include_replicas=False, autoscaling={"enabled": True})
         assert "replicas" not in auto["spec"]
-        assert b.desired_replicas(spec(autoscaling={"enabled": True, "minReplicas": 3})) == 3
+        assert manifests.desired_replicas(spec(autoscaling={"enabled": True, "minReplicas": 3})) == 3
 
     def test_placement_passes_through(self):
         dep, _ = self.deployment(runtime={"nodeSelector": {"gpu": "h100"},
@@ -309,9 +310,9 @@ class TestRuntimeDeployment:
 
 class TestRuntimeService:
     def test_port_and_selector(self):
-        svc = b.runtime_service(MODEL, spec())
+        svc = manifests.runtime_service(MODEL, spec())
         assert svc["metadata"]["name"] == "resnet50"
-        assert svc["spec"]["selector"] == {b.LABEL_MODEL: "resnet50"}
+        assert svc["spec"]["selector"] == {contract.LABEL_MODEL: "resnet50"}
         assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"},
                                         {"name": "grpc", "port": 8081, "targetPort": "grpc", "protocol": "TCP",
                                          "appProtocol": "grpc"}]
@@ -334,10 +335,10 @@ class TestNames:
     def objects(self, name: str) -> list[dict]:
         model = {**MODEL, "metadata": {**MODEL["metadata"], "name": name}}
         s = spec(rollout={"traffic": {"mechanism": "GatewayAPI", "httpRoute": "route"}})
-        engines = b.plan_engines(s, CONFIG)
+        engines = plan_engines(s, CONFIG)
         results = {e.index_key: {"path": f"vision/{name}/{e.key}"} for e in engines}
-        return ([b.runtime_deployment(model, s, engines, results, CONFIG, track=t) for t in (b.STABLE, b.CANARY)]
-                + [b.runtime_service(model, s, t) for t in (b.STABLE, b.CANARY)] + [b.build_job(model, s, engines[0], CONFIG)])
+        return ([manifests.runtime_deployment(model, s, engines, results, CONFIG, track=t) for t in (manifests.STABLE, manifests.CANARY)]
+                + [manifests.runtime_service(model, s, t) for t in (manifests.STABLE, manifests.CANARY)] + [manifests.build_job(model, s, engines[0], CONFIG)])
 
     def problems(self, name: str) -> list[str]:
         found = []
@@ -370,14 +371,14 @@ class TestPatches:
     def test_merge_patch_between_removes_and_changes(self):
         old = {"a": 1, "b": {"c": 2, "d": 3}, "l": [1]}
         new = {"a": 1, "b": {"c": 5}, "l": [1, 2], "e": "x"}
-        assert b.merge_patch_between(old, new) == {"b": {"c": 5, "d": None}, "l": [1, 2], "e": "x"}
+        assert manifests.merge_patch_between(old, new) == {"b": {"c": 5, "d": None}, "l": [1, 2], "e": "x"}
 
     def test_with_applied_records_the_manifest_and_hash(self):
-        svc = b.runtime_service(MODEL, spec())
-        applied = b.with_applied(svc)
+        svc = manifests.runtime_service(MODEL, spec())
+        applied = manifests.with_applied(svc)
         ann = applied["metadata"]["annotations"]
-        assert json.loads(ann[b.ANN_APPLIED]) == svc
-        assert ann[b.ANN_APPLIED_HASH] == b.manifest_hash(svc)
+        assert json.loads(ann[contract.ANN_APPLIED]) == svc
+        assert ann[contract.ANN_APPLIED_HASH] == manifests.manifest_hash(svc)
 
 
 class TestHTTPRouteWeightsPatch:
@@ -390,7 +391,7 @@ class TestHTTPRouteWeightsPatch:
     def test_sets_each_named_backends_weight_after_testing_its_name(self):
         route = self.route([{"name": "resnet50", "port": 8080, "weight": 90},
                             {"name": "resnet50-canary", "port": 8080, "weight": 10}])
-        assert b.route_weights_patch(route, {"resnet50": 50, "resnet50-canary": 50}) == [
+        assert manifests.route_weights_patch(route, {"resnet50": 50, "resnet50-canary": 50}) == [
             {"op": "test", "path": "/spec/rules/0/backendRefs/0/name", "value": "resnet50"},
             {"op": "replace", "path": "/spec/rules/0/backendRefs/0/weight", "value": 50},
             {"op": "test", "path": "/spec/rules/0/backendRefs/1/name", "value": "resnet50-canary"},
@@ -400,7 +401,7 @@ class TestHTTPRouteWeightsPatch:
     def test_every_rule_and_only_the_named_backends(self):
         route = self.route([{"name": "other", "weight": 3}, {"name": "resnet50", "weight": 100}],
                            [{"name": "resnet50"}])
-        assert b.route_weights_patch(route, {"resnet50": 0}) == [
+        assert manifests.route_weights_patch(route, {"resnet50": 0}) == [
             {"op": "test", "path": "/spec/rules/0/backendRefs/1/name", "value": "resnet50"},
             {"op": "replace", "path": "/spec/rules/0/backendRefs/1/weight", "value": 0},
             {"op": "test", "path": "/spec/rules/1/backendRefs/0/name", "value": "resnet50"},
@@ -411,24 +412,24 @@ class TestHTTPRouteWeightsPatch:
     def test_a_backend_in_no_rule_names_the_route(self):
         route = self.route([{"name": "resnet50", "weight": 100}])
         with pytest.raises(ValueError, match="HTTPRoute ml/resnet50 has no backendRef named resnet50-canary"):
-            b.route_weights_patch(route, {"resnet50": 90, "resnet50-canary": 10})
+            manifests.route_weights_patch(route, {"resnet50": 90, "resnet50-canary": 10})
 
     def test_a_route_without_rules(self):
         route = {"metadata": {"name": "r", "namespace": "ml"}, "spec": {}}
-        assert b.route_weights_patch(route, {}) == []
+        assert manifests.route_weights_patch(route, {}) == []
         with pytest.raises(ValueError, match="HTTPRoute ml/r"):
-            b.route_weights_patch(route, {"x": 1})
+            manifests.route_weights_patch(route, {"x": 1})
 
 
 class TestObservedDeployment:
     def test_observe_deployment(self):
         dep = {"metadata": {"generation": 4},
-               "spec": {"replicas": 3, "template": {"metadata": {"labels": {b.LABEL_ENGINE_KEY: "k"}}}},
+               "spec": {"replicas": 3, "template": {"metadata": {"labels": {contract.LABEL_ENGINE_KEY: "k"}}}},
                "status": {"observedGeneration": 4, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 2}}
-        o = b.observe_deployment(dep)
+        o = observations.observe_deployment(dep)
         assert (o.exists, o.engine_key, o.ready, o.desired, o.rolled_out) == (True, "k", 2, 3, True)
-        assert not b.observe_deployment({**dep, "status": {"observedGeneration": 3}}).rolled_out
-        assert not b.observe_deployment(None).exists
+        assert not observations.observe_deployment({**dep, "status": {"observedGeneration": 3}}).rolled_out
+        assert not observations.observe_deployment(None).exists
 
     def test_a_rollout_the_controller_has_not_completed_is_not_rolled_out(self):
         # Seen on the real Deployment controller: a new Deployment reports its one pod as
@@ -437,27 +438,27 @@ class TestObservedDeployment:
         dep = {"metadata": {"generation": 1}, "spec": {"replicas": 1}}
         starting = {**status, "conditions": [{"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"}]}
         done = {**status, "conditions": [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]}
-        assert not b.observe_deployment({**dep, "status": starting}).rolled_out
-        assert b.observe_deployment({**dep, "status": done}).rolled_out
+        assert not observations.observe_deployment({**dep, "status": starting}).rolled_out
+        assert observations.observe_deployment({**dep, "status": done}).rolled_out
 
     def test_a_generation_that_only_scales_a_rolled_out_template_is_no_rollout(self):
         # 1 -> 3 replicas at generation 5, the controller still at 4: a scale, said so by Kiln.
         status = {"observedGeneration": 4, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
-        scaled = {"metadata": {"generation": 5, "annotations": {b.ANN_SCALED_FROM: "4"}},
+        scaled = {"metadata": {"generation": 5, "annotations": {observations.ANN_SCALED_FROM: "4"}},
                   "spec": {"replicas": 3}, "status": status}
-        assert b.observe_deployment(scaled).rolled_out
+        assert observations.observe_deployment(scaled).rolled_out
         # The controller saw it, the ReplicaSet has not made the pods yet: still a scale.
-        assert b.observe_deployment({**scaled, "status": {**status, "observedGeneration": 5}}).rolled_out
+        assert observations.observe_deployment({**scaled, "status": {**status, "observedGeneration": 5}}).rolled_out
         # Without the word, or after a later change (a template), it is not known yet.
-        assert not b.observe_deployment({**scaled, "metadata": {"generation": 5}}).rolled_out
-        assert not b.observe_deployment({**scaled, "metadata": {**scaled["metadata"], "generation": 6}}).rolled_out
+        assert not observations.observe_deployment({**scaled, "metadata": {"generation": 5}}).rolled_out
+        assert not observations.observe_deployment({**scaled, "metadata": {**scaled["metadata"], "generation": 6}}).rolled_out
 
 
 class TestTemplateDrift:
     def applied(self):
         s = spec()
-        engines = b.plan_engines(s, CONFIG)
-        return b.runtime_deployment(MODEL, s, engines, {e.index_key: {"path": "p"} for e in engines}, CONFIG)
+        engines = plan_engines(s, CONFIG)
+        return manifests.runtime_deployment(MODEL, s, engines, {e.index_key: {"path": "p"} for e in engines}, CONFIG)
 
     def live(self, **container):
         applied = self.applied()
@@ -468,10 +469,10 @@ class TestTemplateDrift:
         c["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
         c["imagePullPolicy"] = "IfNotPresent"
         c.update(container)
-        return {"spec": {"template": {"spec": {"containers": b.slim_containers([c])}}}}
+        return {"spec": {"template": {"spec": {"containers": observations.slim_containers([c])}}}}
 
     def test_defaults_the_api_server_adds_are_no_drift(self):
-        assert b.template_drift(self.live(), self.applied()) == []
+        assert observations.template_drift(self.live(), self.applied()) == []
 
     @pytest.mark.parametrize("edit,field", [
         ({"image": "evil:1"}, "runtime.image"),
@@ -481,10 +482,10 @@ class TestTemplateDrift:
         ({"livenessProbe": {"exec": {"command": ["true"]}}}, "runtime.livenessProbe"),
     ])
     def test_edits_that_matter(self, edit, field):
-        assert b.template_drift(self.live(**edit), self.applied()) == [field]
+        assert observations.template_drift(self.live(**edit), self.applied()) == [field]
 
     def test_quantities_compare_by_value(self):
-        assert b._covers({"cpu": "1", "memory": "2048Mi"}, {"cpu": "1000m", "memory": "2Gi"}, quantities=True)
+        assert observations._covers({"cpu": "1", "memory": "2048Mi"}, {"cpu": "1000m", "memory": "2Gi"}, quantities=True)
 
     def test_an_index_without_containers_shows_no_drift(self):
-        assert b.template_drift({"spec": {"template": {"metadata": {}}}}, self.applied()) == []
+        assert observations.template_drift({"spec": {"template": {"metadata": {}}}}, self.applied()) == []

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.operator import builders as b
+from kiln.operator import manifests
+from kiln.runtime.api import contract
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -39,7 +40,7 @@ def model(ns: str, name: str, version: str = "1", **spec) -> dict:
 
 
 def jobs(api, ns):
-    return api.list("Job", ns, selector=b.LABEL_KEY)
+    return api.list("Job", ns, selector=contract.LABEL_KEY)
 
 
 def request_of(job: dict) -> dict:
@@ -82,7 +83,7 @@ def finish_job(api, job: dict, ok: bool = True, exit_code: int = 0, result: dict
 
 def roll_out(api, ns: str, name: str, ready: int | None = None):
     """Play the Deployment controller: every replica updated and (by default) Ready."""
-    dep = api.get("Deployment", ns, b.runtime_name(name))
+    dep = api.get("Deployment", ns, manifests.runtime_name(name))
     n = dep["spec"].get("replicas", 1)
     ready = n if ready is None else ready
     api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {
@@ -125,7 +126,7 @@ def test_example_manifest_builds_one_job_per_architecture(api, operator, manifes
     targets = m["spec"].get("engine", {}).get("targets") or ["sm90"]
     archs = sorted({enginekey.normalize_target(t) for t in targets})
     found = api.wait(lambda: (lambda js: js if len(js) == len(archs) else None)(jobs(api, ns)), 10, "build Jobs")
-    assert sorted(j["metadata"]["labels"][b.LABEL_TARGET] for j in found) == archs
+    assert sorted(j["metadata"]["labels"][contract.LABEL_TARGET] for j in found) == archs
     for job in found:
         req = request_of(job)
         assert job["metadata"]["name"] == f"kiln-build-{req['key']}-{req['target']}"
@@ -150,15 +151,15 @@ def test_example_manifest_builds_one_job_per_architecture(api, operator, manifes
     name = m["metadata"]["name"]
     for job in found:
         finish_job(api, job)
-    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the runtime Deployment")
+    dep = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the runtime Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     served = sorted(args[i + 1].split("=")[0] for i, a in enumerate(args) if a == "--engine")
     assert served == archs
-    assert dep["spec"]["replicas"] == b.desired_replicas(m["spec"] | {"autoscaling": m["spec"].get("autoscaling", {})})
+    assert dep["spec"]["replicas"] == manifests.desired_replicas(m["spec"] | {"autoscaling": m["spec"].get("autoscaling", {})})
     # One Service for every pod; with the Gateway API the stable track's (the route weighs it against -canary).
-    track = {b.LABEL_TRACK: b.STABLE} if b.gateway_api(m["spec"]) else {}
+    track = {contract.LABEL_TRACK: manifests.STABLE} if manifests.gateway_api(m["spec"]) else {}
     service = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")  # created right after the Deployment
-    assert service["spec"]["selector"] == {b.LABEL_MODEL: name, **track}
+    assert service["spec"]["selector"] == {contract.LABEL_MODEL: name, **track}
     roll_out(api, ns, name)
     st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10, "Ready")
     assert sorted(e["architecture"] for e in st["engines"]) == archs
@@ -170,20 +171,20 @@ def test_build_succeeds_then_deployment_service_status_and_events(api, operator,
     ns, name = "life", "resnet"
     api.apply(model(ns, name))
     [job] = api.wait(lambda: jobs(api, ns), 10, "the build Job")
-    assert api.get("Deployment", ns, b.runtime_name(name)) is None  # nothing runs before the engine exists
+    assert api.get("Deployment", ns, manifests.runtime_name(name)) is None  # nothing runs before the engine exists
 
     finish_job(api, job)
-    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the runtime Deployment")
+    dep = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the runtime Deployment")
     req = request_of(job)
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--engine") + 1] == f"sm90={ns}/{name}/{req['key']}"
-    assert dep["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == req["key"]
+    assert dep["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == req["key"]
     assert dep["spec"]["replicas"] == 1
     svc = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"},
                                     {"name": "grpc", "port": 8081, "targetPort": "grpc", "protocol": "TCP",
                                      "appProtocol": "grpc"}]
-    index = api.get("ConfigMap", ns, b.ENGINE_INDEX)
+    index = api.get("ConfigMap", ns, contract.ENGINE_INDEX)
     assert json.loads(index["data"][f"{req['key']}.sm90"])["sha256"] == "ab" * 32
 
     st = api.wait(lambda: status(api, ns, name).get("phase") == "Deploying" and status(api, ns, name), 10)
@@ -210,7 +211,7 @@ def test_build_succeeds_then_deployment_service_status_and_events(api, operator,
 
     # Idle: a further reconcile (poked by an unrelated change on the Deployment) writes nothing.
     writes = cluster.emu.writes()
-    api.patch("Deployment", ns, b.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
+    api.patch("Deployment", ns, manifests.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
     import time
     time.sleep(1.5)
     assert cluster.emu.writes() - writes == 1, "the operator wrote something on a no-op reconcile"
@@ -241,7 +242,7 @@ def test_two_models_sharing_a_key_share_one_job(api, operator):
         api.wait(lambda: condition(status(api, ns, name), "EngineReady").get("reason") == "Building", 10)
     finish_job(api, shared[0])
     for name in ("left", "right"):
-        api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, f"Deployment of {name}")
+        api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, f"Deployment of {name}")
         roll_out(api, ns, name)
     for name in ("left", "right"):
         st = api.wait(lambda: status(api, ns, name).get("phase") == "Ready" and status(api, ns, name), 10)
@@ -257,10 +258,10 @@ def test_key_change_builds_first_then_rolls_the_deployment(api, operator):
     api.apply(model(ns, name, version="1", rollout={"strategy": "Recreate"}))
     [old_job] = api.wait(lambda: jobs(api, ns), 10)
     finish_job(api, old_job)
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10)
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10)
     roll_out(api, ns, name)
     api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10)
-    before = api.get("Deployment", ns, b.runtime_name(name))
+    before = api.get("Deployment", ns, manifests.runtime_name(name))
 
     api.patch("InferenceModel", ns, name, {"spec": {"model": {"version": "2"}}})
     new_job = api.wait(lambda: [j for j in jobs(api, ns) if j["metadata"]["name"] != old_job["metadata"]["name"]],
@@ -269,14 +270,14 @@ def test_key_change_builds_first_then_rolls_the_deployment(api, operator):
     st = api.wait(lambda: status(api, ns, name).get("phase") == "Building" and status(api, ns, name), 10)
     assert condition(st, "Available")["status"] == "True"  # the old version keeps serving
     assert st["engineKey"] == request_of(old_job)["key"]
-    during = api.get("Deployment", ns, b.runtime_name(name))
+    during = api.get("Deployment", ns, manifests.runtime_name(name))
     assert during["spec"] == before["spec"]
     assert during["metadata"]["generation"] == before["metadata"]["generation"]
 
     finish_job(api, new_job)
     new_key = request_of(new_job)["key"]
-    dep = api.wait(lambda: (lambda d: d if d["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == new_key
-                            else None)(api.get("Deployment", ns, b.runtime_name(name))), 10, "the rollout")
+    dep = api.wait(lambda: (lambda d: d if d["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == new_key
+                            else None)(api.get("Deployment", ns, manifests.runtime_name(name))), 10, "the rollout")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"sm90={ns}/{name}/{new_key}" in args and args[args.index("--model-version") + 1] == "2"
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
@@ -308,11 +309,11 @@ def test_failed_build_reports_and_retries_only_after_a_spec_change(api, operator
     retried = api.wait(lambda: [j for j in jobs(api, ns) if j["metadata"]["uid"] != job["metadata"]["uid"]], 10,
                        "the retried Job")
     assert retried[0]["metadata"]["name"] == job["metadata"]["name"]
-    assert retried[0]["metadata"]["annotations"][b.ANN_GENERATION] == "2"
+    assert retried[0]["metadata"]["annotations"][contract.ANN_GENERATION] == "2"
     st = api.wait(lambda: status(api, ns, name).get("phase") == "Building" and status(api, ns, name), 10)
     assert condition(st, "EngineReady")["observedGeneration"] == 2
     finish_job(api, retried[0])
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment after the retry")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment after the retry")
 
 
 def test_spec_that_cannot_work_fails_without_building(api, operator):
@@ -330,15 +331,15 @@ def test_autoscaled_replicas_follow_the_scale_subresource_within_bounds(api, ope
     api.apply(model(ns, name, autoscaling={"enabled": True, "minReplicas": 2, "maxReplicas": 3}))
     [job] = api.wait(lambda: jobs(api, ns), 10)
     finish_job(api, job)
-    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    dep = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
     assert dep["spec"]["replicas"] == 2  # spec.runtime.replicas 1, raised to minReplicas
-    assert "replicas" not in json.loads(dep["metadata"]["annotations"][b.ANN_APPLIED])["spec"]
+    assert "replicas" not in json.loads(dep["metadata"]["annotations"][contract.ANN_APPLIED])["spec"]
     # An HPA, KEDA or Kiln's autoscaler scales the InferenceModel through its scale subresource.
     api.request("PATCH", f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels/{name}/scale",
                 {"spec": {"replicas": 5}}, "application/merge-patch+json")
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 3, 10,
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 3, 10,
              "replicas clamped to maxReplicas")
-    template = api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]
+    template = api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["template"]
     assert template == dep["spec"]["template"]  # a replica change is not a rollout
 
 
@@ -365,7 +366,7 @@ def test_deleted_service_comes_back_on_its_watch_event(api, operator):
     api.delete("Service", ns, name)
     back = api.wait(lambda: (lambda s: s if s and s["metadata"]["uid"] != svc["metadata"]["uid"] else None)(
         api.get("Service", ns, name)), 5, "the Service recreated")
-    assert back["spec"]["selector"] == {b.LABEL_MODEL: name}
+    assert back["spec"]["selector"] == {contract.LABEL_MODEL: name}
 
 
 def test_a_build_made_obsolete_by_a_spec_change_is_deleted(api, operator):
@@ -378,7 +379,7 @@ def test_a_build_made_obsolete_by_a_spec_change_is_deleted(api, operator):
                          "the obsolete Job deleted and the new one created")
     assert request_of(new_job)["model"]["version"] == "2"
     api.wait(lambda: "BuildCancelled" in reasons(api, ns, name), 10, "a BuildCancelled Event")
-    index = api.get("ConfigMap", ns, b.ENGINE_INDEX)
+    index = api.get("ConfigMap", ns, contract.ENGINE_INDEX)
     assert index is None or not any(k.startswith(request_of(old_job)["key"]) for k in index.get("data") or {})
 
 
@@ -403,26 +404,26 @@ def test_an_edit_to_the_runtime_pod_template_is_restored(api, operator):
     api.apply(model(ns, name, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 4}))
     [job] = api.wait(lambda: jobs(api, ns), 10)
     finish_job(api, job)
-    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    dep = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
     roll_out(api, ns, name)
     api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10, "Ready")
     want = dep["spec"]["template"]["spec"]["containers"][0]
     edited = {**want, "image": "registry.example/someone-else:1", "env": [{"name": "DEBUG", "value": "1"}],
               "readinessProbe": {"exec": {"command": ["true"]}}}
-    api.patch("Deployment", ns, b.runtime_name(name), {
+    api.patch("Deployment", ns, manifests.runtime_name(name), {
         "metadata": {"annotations": {"team.example/owner": "ml-platform"}},
         "spec": {"template": {"spec": {"containers": [edited]}}}})
     restored = api.wait(lambda: (lambda d: d if d["spec"]["template"]["spec"]["containers"][0]["image"] == want["image"]
-                                 else None)(api.get("Deployment", ns, b.runtime_name(name))), 10, "the image restored")
+                                 else None)(api.get("Deployment", ns, manifests.runtime_name(name))), 10, "the image restored")
     c = restored["spec"]["template"]["spec"]["containers"][0]
     assert "env" not in c and c["readinessProbe"] == want["readinessProbe"] and c["args"] == want["args"]
     assert restored["metadata"]["annotations"]["team.example/owner"] == "ml-platform"  # others' annotations stay
     api.wait(lambda: "DriftRestored" in reasons(api, ns, name), 10, "a DriftRestored Event")
     # A scale change someone made (autoscaled: the replica count is not Kiln's template) is no drift.
-    api.patch("Deployment", ns, b.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
+    api.patch("Deployment", ns, manifests.runtime_name(name), {"metadata": {"labels": {"poke": "1"}}})
     import time
     time.sleep(1.0)
-    assert api.get("Deployment", ns, b.runtime_name(name))["metadata"]["generation"] == restored["metadata"]["generation"]
+    assert api.get("Deployment", ns, manifests.runtime_name(name))["metadata"]["generation"] == restored["metadata"]["generation"]
 
 
 # -- autoscaling from Alertmanager's webhook ------------------------------------------------
@@ -435,7 +436,7 @@ def serving_autoscaled(api, ns, name, replicas=1, **auto):
                                  "scaleUpCooldownSeconds": 0, **auto}))
     [job] = api.wait(lambda: jobs(api, ns), 10)
     finish_job(api, job)
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
     roll_out(api, ns, name)
     api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10, "Ready")
 
@@ -454,7 +455,7 @@ def test_a_high_alert_scales_up_once_and_a_replay_changes_nothing(api, operator,
     high = am.webhook(am.alert(ns, name, "KilnUtilizationHigh", value="0.9"))
     assert am.post(operator, high) == (200, {"accepted": 1})
     api.wait(lambda: spec_replicas(api, ns, name) == 2, 10, "spec.runtime.replicas 1 -> 2 (1 x 0.9/0.5)")
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 2, 10, "the Deployment")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 2, 10, "the Deployment")
     [entry] = api.wait(lambda: history(api, ns, name), 10, "status.scaling.history")
     assert (entry["from"], entry["to"], entry["reason"], entry["source"]) == (2 - 1, 2, "UtilizationHigh",
                                                                               "KilnUtilizationHigh")
@@ -500,7 +501,7 @@ def test_missing_metrics_hold_and_a_manual_scale_is_kept(api, operator, am):
     assert (held["reason"], spec_replicas(api, ns, name)) == ("NoMetrics", 2)
     api.patch("InferenceModel", ns, name, {"spec": {"replicas": 3}}, subresource="scale")  # kubectl scale
     api.wait(lambda: "ScaledExternally" in [h["reason"] for h in history(api, ns, name)], 10, "the manual scale recorded")
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 3, 10, "followed")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 3, 10, "followed")
     assert spec_replicas(api, ns, name) == 3
 
 
@@ -549,7 +550,7 @@ def serving_then_version_2(api, ns, name, manifest) -> tuple[str, str]:
     api.apply(manifest)
     [job] = api.wait(lambda: jobs(api, ns), 10)
     finish_job(api, job)
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
     roll_out(api, ns, name)
     api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10, "Ready")
     api.patch("InferenceModel", ns, name, {"spec": {"model": {"version": "2"}}})
@@ -576,13 +577,13 @@ def test_a_canary_that_passes_its_analysis_is_promoted(api, operator, prometheus
     ns, name = "canary-good", "good"
     old, new = serving_then_version_2(api, ns, name, canary_model(ns, name, {"name": "ok", "query": "vector(0.01)",
                                                                                "max": 0.05}))
-    canary = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "the canary Deployment")
+    canary = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)), 10, "the canary Deployment")
     assert canary["spec"]["replicas"] == 1  # 50% of 2
-    assert canary["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == new
-    stable = api.get("Deployment", ns, b.runtime_name(name))
+    assert canary["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == new
+    stable = api.get("Deployment", ns, manifests.runtime_name(name))
     assert stable["spec"]["replicas"] == 2  # capacity first: stable shrinks only by Ready canary pods
-    assert stable["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == old
-    roll_out_track(api, ns, b.runtime_name(name, b.CANARY))
+    assert stable["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == old
+    roll_out_track(api, ns, manifests.runtime_name(name, manifests.CANARY))
     st = api.wait(lambda: (status(api, ns, name).get("canary") or {}).get("weight") == 50 and status(api, ns, name),
                   10, "the canary's weight in effect")
     assert st["canary"]["engineKey"] == new
@@ -590,11 +591,11 @@ def test_a_canary_that_passes_its_analysis_is_promoted(api, operator, prometheus
     # The step passes (vector(0.01) <= 0.05) and lasts 1 s; then the stable Deployment moves.
     # Promoted: the stable Deployment runs the new key at the full count (the count may
     # settle a pass after the key when the canary's pods change readiness meanwhile).
-    api.wait(lambda: (lambda d: d["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == new
-                      and d["spec"]["replicas"] == 2)(api.get("Deployment", ns, b.runtime_name(name))),
+    api.wait(lambda: (lambda d: d["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == new
+                      and d["spec"]["replicas"] == 2)(api.get("Deployment", ns, manifests.runtime_name(name))),
              15, "promotion at 2 replicas")
-    roll_out_track(api, ns, b.runtime_name(name))
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 10, "the canary removed")
+    roll_out_track(api, ns, manifests.runtime_name(name))
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)) is None, 10, "the canary removed")
     st = api.wait(lambda: not status(api, ns, name).get("canary") and status(api, ns, name), 10, "canary status gone")
     assert (st["engineKey"], st["stable"]["version"]) == (new, "2")
     api.wait(lambda: {"RolloutStarted", "Promoting", "Promoted", "CanaryRemoved"} <= {
@@ -606,19 +607,19 @@ def test_a_canary_that_fails_its_analysis_is_rolled_back_and_not_retried(api, op
     ns, name = "canary-bad", "bad"
     old, new = serving_then_version_2(api, ns, name, canary_model(ns, name, {"name": "errors", "query": "vector(0.5)",
                                                                                "max": 0.05}))
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "the canary Deployment")
-    roll_out_track(api, ns, b.runtime_name(name, b.CANARY))
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 15, "the canary removed")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)), 10, "the canary Deployment")
+    roll_out_track(api, ns, manifests.runtime_name(name, manifests.CANARY))
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)) is None, 15, "the canary removed")
     st = api.wait(lambda: status(api, ns, name).get("rollback") and status(api, ns, name), 10, "status.rollback")
     assert st["rollback"]["engineKey"] == new and "errors = 0.5" in st["rollback"]["reason"]
     assert (condition(st, "Degraded")["reason"], condition(st, "Progressing")["reason"]) == ("RolledBack", "RolledBack")
     assert st["engineKey"] == old and not st.get("canary")
     [warning] = api.wait(lambda: [e for e in api.events(ns, name) if e["reason"] == "RolledBack"], 5, "the Warning")
     assert warning["type"] == "Warning" and "vector(0.5)" in warning["message"] and "max 0.05" in warning["message"]
-    assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["replicas"] == 2  # all traffic on stable
+    assert api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 2  # all traffic on stable
     import time
     time.sleep(1.5)
-    assert api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None  # not retried until the spec changes
+    assert api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)) is None  # not retried until the spec changes
 
 
 def test_no_data_pauses_the_rollout_and_abort_by_hand_rolls_it_back(api, operator, prometheus):
@@ -626,16 +627,16 @@ def test_no_data_pauses_the_rollout_and_abort_by_hand_rolls_it_back(api, operato
     ns, name = "canary-nodata", "quiet"
     old, new = serving_then_version_2(api, ns, name, canary_model(ns, name, {
         "name": "gpu", "query": 'kiln_no_such_metric{model="{{model}}"}', "max": 1}))
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "the canary Deployment")
-    roll_out_track(api, ns, b.runtime_name(name, b.CANARY))
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)), 10, "the canary Deployment")
+    roll_out_track(api, ns, manifests.runtime_name(name, manifests.CANARY))
     st = api.wait(lambda: (status(api, ns, name).get("canary") or {}).get("phase") == "Paused" and status(api, ns, name),
                   15, "the rollout paused for want of data")
     assert st["canary"]["lastAnalysis"]["result"] == "Inconclusive"
     assert (st["phase"], condition(st, "Progressing")["reason"]) == ("Progressing", "RolloutPaused")
-    assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
-        b.LABEL_ENGINE_KEY] == old  # never promoted on no data
+    assert api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
+        contract.LABEL_ENGINE_KEY] == old  # never promoted on no data
     api.patch("InferenceModel", ns, name, {"metadata": {"annotations": {"rollout.kiln.dev/action": "abort"}}})
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 10, "the canary removed")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)) is None, 10, "the canary removed")
     st = api.wait(lambda: status(api, ns, name).get("rollback") and status(api, ns, name), 10, "status.rollback")
     assert "by hand" in st["rollback"]["reason"]
     meta = api.get("InferenceModel", ns, name)["metadata"]
@@ -647,17 +648,17 @@ def test_a_newer_version_supersedes_a_running_rollout(api, operator, prometheus)
     ns, name = "canary-superseded", "moving"
     old, v2 = serving_then_version_2(api, ns, name, canary_model(ns, name, {
         "name": "gpu", "query": 'kiln_no_such_metric{model="{{model}}"}', "max": 1}))  # v2 holds: no data
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "v2's canary")
-    roll_out_track(api, ns, b.runtime_name(name, b.CANARY))
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)), 10, "v2's canary")
+    roll_out_track(api, ns, manifests.runtime_name(name, manifests.CANARY))
     api.wait(lambda: (status(api, ns, name).get("canary") or {}).get("phase") == "Paused", 15, "v2 paused")
     api.patch("InferenceModel", ns, name, {"spec": {"model": {"version": "3"}}})
     v3_job = api.wait(lambda: [j for j in jobs(api, ns) if request_of(j)["model"]["version"] == "3"], 10)[0]
     # Until v3's engines exist no canary runs: v2's goes at once, stable keeps serving.
-    api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)) is None, 10, "v2's canary removed")
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)) is None, 10, "v2's canary removed")
     api.wait(lambda: "RolloutSuperseded" in [e["reason"] for e in api.events(ns, name)], 5, "the Event")
-    assert api.get("Deployment", ns, b.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
-        b.LABEL_ENGINE_KEY] == old
+    assert api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["template"]["metadata"]["labels"][
+        contract.LABEL_ENGINE_KEY] == old
     finish_job(api, v3_job)
-    canary = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name, b.CANARY)), 10, "v3's canary")
-    assert canary["spec"]["template"]["metadata"]["labels"][b.LABEL_ENGINE_KEY] == request_of(v3_job)["key"] != v2
+    canary = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name, manifests.CANARY)), 10, "v3's canary")
+    assert canary["spec"]["template"]["metadata"]["labels"][contract.LABEL_ENGINE_KEY] == request_of(v3_job)["key"] != v2
     assert status(api, ns, name)["canary"]["version"] == "3"

@@ -14,8 +14,9 @@ import threading
 import kmock
 import pytest
 
-from kiln.operator import builders as b
+from kiln.operator import manifests
 from kiln.operator.config import OperatorConfig
+from kiln.operator.plan import plan_engines
 from kiln.runtime.api import contract
 from kiln.runtime.api import spec as specmod
 
@@ -48,14 +49,14 @@ def test_a_refused_deployment_is_a_condition_and_one_warning_until_the_policy_le
     cluster.emu[kmock.action.CREATE, kmock.resource("apps", "v1", "deployments")] << admission
     spec = {"model": {"uri": "https://models.example.com/iris.onnx", "version": "1"},
             "engine": {"backend": "onnxruntime"}}
-    [engine] = b.plan_engines(specmod.apply_defaults(spec), OperatorConfig())
+    [engine] = plan_engines(specmod.apply_defaults(spec), OperatorConfig())
     result = {"ok": True, "key": engine.key, "target": engine.architecture, "path": f"{NS}/{NAME}/{engine.key}",
               "sha256": "ab" * 32, "sizeBytes": 10, "buildSeconds": 1.0, "cacheHit": False}
-    api.apply(b.engine_index_configmap(NS, {engine.index_key: json.dumps(result)}))  # built before
+    api.apply(manifests.engine_index_configmap(NS, {engine.index_key: json.dumps(result)}))  # built before
     api.apply({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
                "metadata": {"name": NAME, "namespace": NS}, "spec": spec})
 
-    said = (f"the API server refused to create Deployment {NS}/{b.runtime_name(NAME)} (400 BadRequest): "
+    said = (f"the API server refused to create Deployment {NS}/{manifests.runtime_name(NAME)} (400 BadRequest): "
             f"{DENIED}; retrying")
     st = api.wait(lambda: (lambda s: s if condition(s, "Degraded").get("reason") == "ApiRefused" else None)(
         (api.get("InferenceModel", NS, NAME) or {}).get("status") or {}), 10, "Degraded=ApiRefused")
@@ -67,7 +68,7 @@ def test_a_refused_deployment_is_a_condition_and_one_warning_until_the_policy_le
     assert [(e["reason"], e["message"]) for e in warnings] == [("ApiRefused", said)], tries  # once, not per try
 
     policy.clear()  # the policy is changed: the next try goes through, with no change to the model
-    api.wait(lambda: api.get("Deployment", NS, b.runtime_name(NAME)), 10, "the Deployment created")
+    api.wait(lambda: api.get("Deployment", NS, manifests.runtime_name(NAME)), 10, "the Deployment created")
     st = api.wait(lambda: (lambda s: s if condition(s, "Degraded").get("reason") not in (None, "ApiRefused") else None)(
         api.get("InferenceModel", NS, NAME)["status"]), 10, "Degraded cleared")
     assert st["phase"] == "Deploying"

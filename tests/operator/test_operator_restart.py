@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import time
 
-from kiln.operator import builders as b
+from kiln.operator import manifests
+from kiln.runtime.api import contract
 
 
 def inference_model(ns: str, name: str) -> dict:
@@ -43,7 +44,7 @@ def test_restart_mid_build_creates_no_duplicate_job_and_resumes(api, cluster, st
     first = start_operator(retry_seconds=0.5)
     try:
         api.apply(inference_model(ns, name))
-        [job] = api.wait(lambda: api.list("Job", ns, selector=b.LABEL_KEY), 10, "the build Job")
+        [job] = api.wait(lambda: api.list("Job", ns, selector=contract.LABEL_KEY), 10, "the build Job")
         api.wait(lambda: (api.get("InferenceModel", ns, name).get("status") or {}).get("phase") == "Building", 10)
     finally:
         first.stop()
@@ -51,14 +52,14 @@ def test_restart_mid_build_creates_no_duplicate_job_and_resumes(api, cluster, st
     second = start_operator(retry_seconds=0.5)
     try:
         time.sleep(1.0)  # the second operator resumed the model
-        jobs = api.list("Job", ns, selector=b.LABEL_KEY)
+        jobs = api.list("Job", ns, selector=contract.LABEL_KEY)
         assert [j["metadata"]["uid"] for j in jobs] == [job["metadata"]["uid"]]
         assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {
             "requests": {"cpu": "1", "memory": "2Gi"}}  # onnxruntime: no GPU
-        assert job["metadata"]["labels"][b.LABEL_TARGET] == "cpu"
+        assert job["metadata"]["labels"][contract.LABEL_TARGET] == "cpu"
 
         complete(api, job)
-        dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+        dep = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
         assert dep["spec"]["replicas"] == 2
         api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {
             "observedGeneration": dep["metadata"]["generation"], "replicas": 2, "updatedReplicas": 2,
@@ -92,9 +93,9 @@ def test_the_same_alert_at_two_operators_is_one_step_and_a_restart_keeps_the_coo
     model["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetGPUUtilization": 50,
                                     "maxStep": 1, "scaleUpCooldownSeconds": 300}
     api.apply(model)
-    [job] = api.wait(lambda: api.list("Job", ns, selector=b.LABEL_KEY), 10, "the build Job")
+    [job] = api.wait(lambda: api.list("Job", ns, selector=contract.LABEL_KEY), 10, "the build Job")
     complete(api, job)
-    dep = api.wait(lambda: api.get("Deployment", ns, b.runtime_name(name)), 10, "the Deployment")
+    dep = api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
     api.patch("Deployment", ns, dep["metadata"]["name"], {"status": {
         "observedGeneration": dep["metadata"]["generation"], "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1,
         "availableReplicas": 1}}, subresource="status")

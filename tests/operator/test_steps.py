@@ -11,10 +11,11 @@ import json
 import kopf
 import pytest
 
-from kiln.operator import builders as b
-from kiln.operator import engines, reconcile, rollout, scaling, serving, steps
+from kiln.operator import engines, manifests, observations, reconcile, rollout, scaling, serving, steps
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import ApiError
+from kiln.operator.plan import EngineRef, plan_engines
+from kiln.runtime.api import contract
 from kiln.runtime.api import spec as specmod
 
 CONFIG = OperatorConfig(retry_seconds=2.0)
@@ -133,7 +134,7 @@ def ctx(kube) -> steps.Context:
 
 
 def engine_of(m):
-    return b.plan_engines(specmod.apply_defaults(m["spec"]), CONFIG)[0]
+    return plan_engines(specmod.apply_defaults(m["spec"]), CONFIG)[0]
 
 
 def result_of(engine, **extra):
@@ -152,7 +153,7 @@ def finished(job, ok=True, result=None):
 
 
 def ready_deployment(world, kube):
-    dep = kube.objects[("Deployment", NS, b.runtime_name(NAME))]
+    dep = kube.objects[("Deployment", NS, manifests.runtime_name(NAME))]
     n = dep["spec"]["replicas"]
     dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
                      "readyReplicas": n}
@@ -242,7 +243,7 @@ def test_a_running_canary_is_the_phase_progressing(canary_phase):
 # ------------------------------------------------------------------------ pure decisions
 
 def obs(state, key="k1", **kw):
-    ref = b.EngineRef(key=key, target="H100", architecture="sm90", backend="tensorrt", backend_version="10")
+    ref = EngineRef(key=key, target="H100", architecture="sm90", backend="tensorrt", backend_version="10")
     return engines.EngineObservation(ref, state, {"cacheHit": True} if state == "Ready" else None, **kw)
 
 
@@ -270,18 +271,18 @@ def test_engine_transition_events(old, new, acted, reasons):
 
 
 def seen(**kw):
-    return b.DeploymentObservation(**{"exists": True, "engine_key": "k1", "replicas": 2, "ready": 2, "updated": 2,
-                                      "desired": 2, "rolled_out": True, **kw})
+    return observations.DeploymentObservation(**{"exists": True, "engine_key": "k1", "replicas": 2, "ready": 2, "updated": 2,
+                                                 "desired": 2, "rolled_out": True, **kw})
 
 
 @pytest.mark.parametrize("observation,invalid,waiting,want", [
     (seen(), False, False, (True, "MinimumReplicasAvailable")),
     (seen(ready=0), False, False, (False, "NoReadyReplicas")),
     (seen(ready=0, desired=0), False, False, (False, "ScaledToZero")),
-    (b.DeploymentObservation(), False, True, (False, "NoEngine")),
-    (b.DeploymentObservation(), False, False, (False, "Deploying")),
+    (observations.DeploymentObservation(), False, True, (False, "NoEngine")),
+    (observations.DeploymentObservation(), False, False, (False, "Deploying")),
     (seen(), True, False, (True, "MinimumReplicasAvailable")),
-    (b.DeploymentObservation(), True, False, (False, "NoEngine")),
+    (observations.DeploymentObservation(), True, False, (False, "NoEngine")),
 ])
 def test_available(observation, invalid, waiting, want):
     assert serving.available(observation, invalid, waiting)[:2] == want
@@ -291,7 +292,7 @@ def test_available(observation, invalid, waiting, want):
     (seen(), None, False, True, (False, "AsExpected")),
     (seen(), "bad", False, False, (True, "InvalidSpec")),
     (seen(), None, True, False, (True, "BuildFailed")),
-    (b.DeploymentObservation(), None, True, False, (False, "AsExpected")),
+    (observations.DeploymentObservation(), None, True, False, (False, "AsExpected")),
     (seen(ready=1), None, False, True, (True, "ReplicasUnavailable")),
     (seen(ready=1, rolled_out=False), None, False, True, (False, "AsExpected")),
 ])
@@ -324,7 +325,7 @@ def test_progressing():
     assert rollout.progressing("1", [obs("Failed")], building, None)[:2] == (False, "BuildFailed")
     track = rollout.Track("stable", (obs("Ready"),), {"spec": {"template": {"spec": {"containers": []}}}}, "h")
     assert rollout.progressing("1", [obs("Ready")], rollout.Tracks(track), None)[:2] == (True, "RollingOut")
-    live = {"metadata": {"generation": 1, "annotations": {b.ANN_APPLIED_HASH: "h"}},
+    live = {"metadata": {"generation": 1, "annotations": {contract.ANN_APPLIED_HASH: "h"}},
             "spec": {"replicas": 1}, "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1}}
     assert rollout.progressing("1", [obs("Ready")], rollout.Tracks(track), live)[:2] == (False, "RolloutComplete")
 
@@ -344,8 +345,8 @@ async def test_the_story_from_nothing_to_ready_then_idle():
     engine = engine_of(m)
     world.jobs[job_key[2]], world.pods[job_key[2]] = finished(kube.objects[job_key], result=result_of(engine))
     await run(c, m, world)
-    assert json.loads(kube.objects[("ConfigMap", NS, b.ENGINE_INDEX)]["data"][engine.index_key])["ok"]
-    dep = kube.objects[("Deployment", NS, b.runtime_name(NAME))]
+    assert json.loads(kube.objects[("ConfigMap", NS, contract.ENGINE_INDEX)]["data"][engine.index_key])["ok"]
+    dep = kube.objects[("Deployment", NS, manifests.runtime_name(NAME))]
     assert dep["spec"]["replicas"] == 2 and ("Service", NS, NAME) in kube.objects
     world.sync(kube)
     ready_deployment(world, kube)
@@ -406,7 +407,7 @@ async def test_events_survive_a_job_still_terminating_on_another_target():
     # Two targets: one Job is created, the other's namesake is still being deleted.
     kube, world = FakeKube(), World()
     m = model(engine={"targets": ["H100", "A100"]})
-    refs = b.plan_engines(specmod.apply_defaults(m["spec"]), CONFIG)
+    refs = plan_engines(specmod.apply_defaults(m["spec"]), CONFIG)
     world.jobs[refs[1].job_name] = {"metadata": {"name": refs[1].job_name, "uid": "old",
                                                  "deletionTimestamp": "2026-01-01T00:00:00Z"}, "status": {}}
     with pytest.raises(kopf.TemporaryError) as raised:
@@ -444,7 +445,7 @@ async def test_an_obsolete_build_is_deleted_and_its_late_result_never_recorded()
     await run(c, m2, world)
     assert ("Job", NS, old_name) not in kube.objects
     assert ("Job", NS, engine_of(m2).job_name) in kube.objects
-    assert ("ConfigMap", NS, b.ENGINE_INDEX) not in kube.objects  # the late result is not recorded
+    assert ("ConfigMap", NS, contract.ENGINE_INDEX) not in kube.objects  # the late result is not recorded
     assert "BuildCancelled" in [e[1] for e in kube.events]
     deletes = kube.calls["DELETE"]
     await run(c, m2, world)  # the index still shows the deleted Job: not deleted twice
@@ -490,7 +491,7 @@ async def test_a_refused_write_is_a_condition_and_one_warning_and_is_retried_wit
     assert st["phase"] == "Degraded"
     assert (condition(st, "Degraded")["status"], condition(st, "Degraded")["reason"],
             condition(st, "Degraded")["message"]) == ("True", "ApiRefused", said)
-    assert ("Deployment", NS, b.runtime_name(NAME)) in kube.objects  # what the step did before stays done
+    assert ("Deployment", NS, manifests.runtime_name(NAME)) in kube.objects  # what the step did before stays done
     assert [e for e in kube.events if e[0] == "Warning"] == [("Warning", "ApiRefused", said)]  # once, not per try
     assert wakes.delays == [2.0, 4.0, 8.0]  # retry_seconds, doubling
 
@@ -539,7 +540,7 @@ async def ready_world(**spec):
 
 async def test_drift_in_the_pod_template_is_restored_and_others_fields_stay():
     kube, world, m, c = await ready_world(autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 5})
-    name = b.runtime_name(NAME)
+    name = manifests.runtime_name(NAME)
     dep = kube.objects[("Deployment", NS, name)]
     want = copy.deepcopy(dep["spec"]["template"]["spec"]["containers"])
     dep["spec"]["template"]["spec"]["containers"][0]["image"] = "someone-else:1"
@@ -569,7 +570,7 @@ async def test_replicas_under_an_autoscaler_are_not_drift():
     m["spec"]["runtime"]["replicas"] = 4  # the scale subresource was written
     before = kube.calls["PATCH"]
     await run(c, m, world)
-    dep = kube.objects[("Deployment", NS, b.runtime_name(NAME))]
+    dep = kube.objects[("Deployment", NS, manifests.runtime_name(NAME))]
     assert dep["spec"]["replicas"] == 4
     assert kube.calls["PATCH"] - before == 2  # replicas alone, then status (Deploying: the pods scale)
     assert "DriftRestored" not in [e[1] for e in kube.events]
@@ -577,7 +578,7 @@ async def test_replicas_under_an_autoscaler_are_not_drift():
 
 async def test_a_drift_a_patch_cannot_undo_is_not_fought_in_a_loop():
     kube, world, m, c = await ready_world()
-    name = b.runtime_name(NAME)
+    name = manifests.runtime_name(NAME)
     world.deployments[name] = copy.deepcopy(world.deployments[name])
     world.deployments[name]["spec"]["template"]["spec"]["containers"][0]["image"] = "webhook-rewrote:1"
     original_patch = kube.patch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.serving.scheduling.batching import BatchingConfig, concat, plan, request_rows, signature, split
 
 
@@ -45,22 +46,30 @@ class TestPlan:
             take([1], max_rows=0)
 
 
+def batching_spec(batching: dict) -> dict:
+    """spec.runtime.batching with the CRD's defaults applied, as `kiln serve` reads it."""
+    return runtime_with_defaults({"batching": batching})["batching"]
+
+
 class TestConfig:
     def test_defaults_are_the_documented_ones(self):
-        from kiln.runtime.api import spec
-        c = BatchingConfig.from_spec(None)
+        c = BatchingConfig.from_spec(batching_spec({}))
         assert c == BatchingConfig(enabled=True, max_batch_size=32, preferred_batch_sizes=(),
                                    max_queue_delay=0.0, max_queue_size=1024,
                                    max_admission_wait=0.1)
-        # The CRD's defaults, as the API server applies them, are the same settings.
-        crd = spec.apply_defaults({"runtime": {"batching": {}}})["runtime"]["batching"]
-        assert BatchingConfig.from_spec(crd) == c
 
     def test_reads_the_manifest_keys(self):
-        c = BatchingConfig.from_spec({"enabled": False, "maxBatchSize": 64,
-                                      "preferredBatchSizes": [32, 16, 32],
-                                      "maxQueueDelayMicroseconds": 2500, "maxQueueSize": 10})
-        assert c == BatchingConfig(False, 64, (16, 32), 0.0025, 10)
+        c = BatchingConfig.from_spec(batching_spec({"enabled": False, "maxBatchSize": 64,
+                                                    "preferredBatchSizes": [32, 16, 32],
+                                                    "maxQueueDelayMicroseconds": 2500, "maxQueueSize": 10}))
+        assert c == BatchingConfig(False, 64, (16, 32), 0.0025, 10, 0.1)
+
+    def test_a_key_the_crd_defaults_is_required(self):
+        # The defaults come from the CRD once (`kiln serve` applies them), never from here.
+        with pytest.raises(ValueError, match=r"^runtime\.batching\.maxQueueSize is missing: "):
+            BatchingConfig.from_spec({k: v for k, v in batching_spec({}).items() if k != "maxQueueSize"})
+        with pytest.raises(ValueError, match=r"runtime\.batching\.enabled, .* are missing"):
+            BatchingConfig.from_spec(None)
 
 
 class TestTensors:

@@ -12,7 +12,9 @@ import pytest
 from blake3 import blake3
 
 from kiln.runtime.commands import build as build_command
-from kiln.runtime.engine import build, cache
+from kiln.runtime.engine import build
+from kiln.runtime.engine.cache.entry import relative_path
+from kiln.runtime.engine.cache.verify import read_verified
 from kiln.runtime.engine.backends import get_backend
 
 KILN = str(Path(sys.executable).parent / "kiln")
@@ -68,8 +70,8 @@ def test_build_then_cache_hit(tmp_path, model):
 def test_build_engine_python_api(tmp_path, model):
     res = build.build_engine(build.BuildRequest.from_dict(request("pvc://models/mlp/model.onnx")),
                              tmp_path / "c", pvc_root=tmp_path)
-    assert not res.cache_hit and res.path == cache.relative_path("ml", "mlp", res.manifest.key)
-    data, manifest, _ = cache.read_verified(tmp_path / "c" / res.path)
+    assert not res.cache_hit and res.path == relative_path("ml", "mlp", res.manifest.key)
+    data, manifest, _ = read_verified(tmp_path / "c" / res.path)
     assert manifest == res.manifest and len(data) == manifest.size_bytes
 
 
@@ -151,14 +153,14 @@ def test_usage_errors_exit_2(tmp_path):
 
 
 # ENOSPC cannot be produced honestly in CI (no tiny tmpfs to mount without root), so this
-# test injects it at the one place publish writes data (cache._write_file), in a real
+# test injects it at the one place publish writes data (publish._write_file), in a real
 # process that runs the real `kiln` entry point.
 ENOSPC_WRAPPER = """
 import errno, sys
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import publish
 def full(path, data):
     raise OSError(errno.ENOSPC, "No space left on device", str(path))
-cache._write_file = full
+publish._write_file = full
 from kiln.cli import main
 sys.exit(main())
 """
@@ -227,7 +229,7 @@ def test_a_corrupt_entry_is_moved_aside_and_built_again(tmp_path, model, case):
     assert expected in result["quarantined"]["reason"]
     assert f"moved the corrupt entry aside to {aside}" in proc.stderr and expected in proc.stderr
     assert expected in (tmp_path / "cache" / aside / "quarantine-reason.txt").read_text()
-    data, manifest, _ = cache.read_verified(model_dir / first["key"])  # rebuilt, sound
+    data, manifest, _ = read_verified(model_dir / first["key"])  # rebuilt, sound
     assert manifest.sha256 == result["sha256"] == first["sha256"]  # the build is deterministic
 
     proc, again = kiln_build(tmp_path, req)  # healed: an ordinary cache hit
@@ -235,17 +237,17 @@ def test_a_corrupt_entry_is_moved_aside_and_built_again(tmp_path, model, case):
 
 
 # A build killed mid-write, for real: this wrapper runs the real `kiln` entry point and
-# SIGKILLs its own process halfway through writing the engine (cache._write_file, the one
+# SIGKILLs its own process halfway through writing the engine (publish._write_file, the one
 # place publish writes data), as an OOM kill or a node loss would.
 KILLED_WRAPPER = """
 import os, signal, sys
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import publish
 def die_halfway(path, data):
     with open(path, "xb") as f:
         f.write(data[: len(data) // 2])
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-cache._write_file = die_halfway
+publish._write_file = die_halfway
 from kiln.cli import main
 sys.exit(main())
 """
@@ -274,14 +276,14 @@ def test_the_next_build_removes_what_a_killed_build_left(tmp_path, model):
 # Storage that corrupts what a build writes: the engine published is not the engine built.
 CORRUPTING_WRAPPER = """
 import sys
-from kiln.runtime.engine import cache
-write = cache._write_file
+from kiln.runtime.engine.cache import publish
+write = publish._write_file
 def corrupt(path, data):
     data = bytearray(data)
     if path.name == "engine.onnx":
         data[len(data) // 2] ^= 0xFF
     write(path, data)
-cache._write_file = corrupt
+publish._write_file = corrupt
 from kiln.cli import main
 sys.exit(main())
 """

@@ -9,8 +9,14 @@ import time
 import pytest
 from blake3 import blake3
 
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import publish as publishing, verify
+from kiln.runtime.engine.cache.entry import (CacheError, CacheIntegrityError, Manifest, entry_dir,
+                                             lookup, relative_path)
+from kiln.runtime.engine.cache.gc import STALE_TEMP_SECONDS, collect_garbage
+from kiln.runtime.engine.cache.publish import quarantine, remove_dead_temporaries
+from kiln.runtime.engine.cache.verify import read_unverified, read_verified
 from kiln.runtime.api import enginekey
+from kiln.runtime.api.spec import runtime_with_defaults
 
 NS, MODEL = "ml", "resnet"
 
@@ -23,25 +29,25 @@ def inputs(version="1", precision="fp32"):
 
 def publish(root, engine=b"engine-bytes" * 1000, version="1", clock=time.time):
     ki = inputs(version)
-    return cache.publish(root, NS, MODEL, ki.key, engine, engine_file="engine.onnx",
-                         inputs=ki.to_dict(), backend="onnxruntime", backend_version="1.32.0",
-                         target="cpu", build_seconds=1.25, clock=clock)
+    return publishing.publish(root, NS, MODEL, ki.key, engine, engine_file="engine.onnx",
+                              inputs=ki.to_dict(), backend="onnxruntime", backend_version="1.32.0",
+                              target="cpu", build_seconds=1.25, clock=clock)
 
 
 def test_publish_then_lookup_and_read(tmp_path):
     engine = os.urandom(3 << 20)
     m = publish(tmp_path, engine)
-    entry = cache.entry_dir(tmp_path, NS, MODEL, m.key)
+    entry = entry_dir(tmp_path, NS, MODEL, m.key)
     assert sorted(p.name for p in entry.iterdir()) == ["engine.onnx", "manifest.json"]
     on_disk = json.loads((entry / "manifest.json").read_text())
     assert on_disk["sha256"] == m.sha256 and on_disk["sizeBytes"] == len(engine)
     assert on_disk["inputs"] == inputs().to_dict() and on_disk["backendVersion"] == "1.32.0"
-    assert cache.lookup(tmp_path, NS, MODEL, m.key) == m
-    assert cache.relative_path(NS, MODEL, m.key) == f"ml/resnet/{m.key}"
-    data, manifest, timings = cache.read_verified(entry, chunk_bytes=1 << 20)
+    assert lookup(tmp_path, NS, MODEL, m.key) == m
+    assert relative_path(NS, MODEL, m.key) == f"ml/resnet/{m.key}"
+    data, manifest, timings = read_verified(entry, chunk_bytes=1 << 20)
     assert bytes(data) == engine and manifest == m
     assert timings.read_seconds >= 0 and timings.verify_seconds >= 0
-    data2, _, _ = cache.read_unverified(entry)
+    data2, _, _ = read_unverified(entry)
     assert bytes(data2) == engine
 
 
@@ -51,24 +57,24 @@ def test_manifest_round_trip_and_profiles():
         {"backend": "tensorrt", "precision": "fp16",
          "profiles": [{"input": "x", "min": [1, 4], "opt": [8, 4], "max": [32, 4]}]},
         "sm90", "10.13")
-    m = cache.Manifest(key=ki.key, inputs=ki.to_dict(), engine_file="engine.plan", sha256="a" * 64,
-                       size_bytes=10, backend="tensorrt", backend_version="10.13", target="sm90",
-                       build_seconds=3.0, built_at="2026-01-01T00:00:00Z")
-    assert cache.Manifest.from_json(m.to_json()) == m
+    m = Manifest(key=ki.key, inputs=ki.to_dict(), engine_file="engine.plan", sha256="a" * 64,
+                 size_bytes=10, backend="tensorrt", backend_version="10.13", target="sm90",
+                 build_seconds=3.0, built_at="2026-01-01T00:00:00Z")
+    assert Manifest.from_json(m.to_json()) == m
     profile = m.profiles()["x"]
     assert (profile.min, profile.opt, profile.max) == ((1, 4), (8, 4), (32, 4))
-    with pytest.raises(cache.CacheError, match="invalid manifest"):
-        cache.Manifest.from_json('{"key": "k"}')
+    with pytest.raises(CacheError, match="invalid manifest"):
+        Manifest.from_json('{"key": "k"}')
 
 
 def test_bad_names_are_refused(tmp_path):
     for bad in ("..", "a/b", ".tmp-x", ""):
         with pytest.raises(ValueError, match="invalid"):
-            cache.entry_dir(tmp_path, NS, bad, "k")
+            entry_dir(tmp_path, NS, bad, "k")
     with pytest.raises(ValueError, match="hash to"):
-        cache.publish(tmp_path, NS, MODEL, "0" * 20, b"x", engine_file="engine.onnx",
-                      inputs=inputs().to_dict(), backend="onnxruntime", backend_version="1",
-                      target="cpu", build_seconds=0)
+        publishing.publish(tmp_path, NS, MODEL, "0" * 20, b"x", engine_file="engine.onnx",
+                           inputs=inputs().to_dict(), backend="onnxruntime", backend_version="1",
+                           target="cpu", build_seconds=0)
 
 
 def _racer(root, seed, barrier, results):
@@ -83,7 +89,7 @@ def test_two_processes_publish_the_same_key(tmp_path):
     procs = [ctx.Process(target=_racer, args=(tmp_path, seed, barrier, results)) for seed in (1, 2)]
     for p in procs:
         p.start()
-    seen = [cache.Manifest.from_json(results.get(timeout=30)) for _ in procs]
+    seen = [Manifest.from_json(results.get(timeout=30)) for _ in procs]
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
@@ -91,7 +97,7 @@ def test_two_processes_publish_the_same_key(tmp_path):
     assert seen[0] == seen[1]
     model_dir = tmp_path / NS / MODEL
     assert [p.name for p in model_dir.iterdir()] == [seen[0].key]
-    data, manifest, _ = cache.read_verified(model_dir / seen[0].key)
+    data, manifest, _ = read_verified(model_dir / seen[0].key)
     assert manifest == seen[0] and len(set(bytes(data))) == 1
 
 
@@ -99,7 +105,7 @@ def test_publish_keeps_an_existing_entry(tmp_path):
     first = publish(tmp_path, b"first")
     second = publish(tmp_path, b"second")
     assert second == first
-    data, _, _ = cache.read_verified(cache.entry_dir(tmp_path, NS, MODEL, first.key))
+    data, _, _ = read_verified(entry_dir(tmp_path, NS, MODEL, first.key))
     assert bytes(data) == b"first"
 
 
@@ -108,43 +114,43 @@ def test_crashed_writer_leaves_debris_that_lookup_ignores_and_gc_removes(tmp_pat
     debris = tmp_path / NS / MODEL / f".tmp-{key}-crash"
     debris.mkdir(parents=True)
     (debris / "engine.onnx").write_bytes(b"half an eng")
-    assert cache.lookup(tmp_path, NS, MODEL, key) is None
+    assert lookup(tmp_path, NS, MODEL, key) is None
     mtime = debris.stat().st_mtime
     # A publish in progress (young temporary) is left alone...
-    assert cache.collect_garbage(tmp_path, set(), 0, now=mtime + 60) == []
+    assert collect_garbage(tmp_path, set(), 0, now=mtime + 60) == []
     assert debris.exists()
     # ...one older than the bound is a crashed writer's and goes.
-    assert cache.collect_garbage(tmp_path, set(), 0, now=mtime + cache.STALE_TEMP_SECONDS + 1) == [debris]
+    assert collect_garbage(tmp_path, set(), 0, now=mtime + STALE_TEMP_SECONDS + 1) == [debris]
     assert not debris.exists()
     m = publish(tmp_path)  # and the key can still be published
-    assert cache.lookup(tmp_path, NS, MODEL, key) == m
+    assert lookup(tmp_path, NS, MODEL, key) == m
 
 
 def test_tampered_engine_is_refused_naming_file_and_digests(tmp_path):
     m = publish(tmp_path, os.urandom(1 << 20))
-    entry = cache.entry_dir(tmp_path, NS, MODEL, m.key)
+    entry = entry_dir(tmp_path, NS, MODEL, m.key)
     engine = entry / "engine.onnx"
     data = bytearray(engine.read_bytes())
     data[12345] ^= 0xFF
     engine.write_bytes(bytes(data))
     actual = blake3(data).hexdigest()  # one chunk: its digest is the file's
-    with pytest.raises(cache.CacheIntegrityError) as e:
-        cache.read_verified(entry)
+    with pytest.raises(CacheIntegrityError) as e:
+        read_verified(entry)
     message = str(e.value)
     assert str(engine) in message and actual in message and m.chunk_digests[0] in message
 
 
 def test_truncated_engine_is_refused_naming_file_and_sizes(tmp_path):
     m = publish(tmp_path, os.urandom(1 << 20))
-    entry = cache.entry_dir(tmp_path, NS, MODEL, m.key)
+    entry = entry_dir(tmp_path, NS, MODEL, m.key)
     engine = entry / "engine.onnx"
     engine.write_bytes(engine.read_bytes()[:1000])
-    with pytest.raises(cache.CacheIntegrityError) as e:
-        cache.read_verified(entry)
+    with pytest.raises(CacheIntegrityError) as e:
+        read_verified(entry)
     assert str(engine) in str(e.value) and "1000 bytes" in str(e.value)
     assert f"{1 << 20} bytes" in str(e.value)
-    with pytest.raises(cache.CacheIntegrityError, match="size 1000 bytes"):
-        cache.lookup(tmp_path, NS, MODEL, m.key)
+    with pytest.raises(CacheIntegrityError, match="size 1000 bytes"):
+        lookup(tmp_path, NS, MODEL, m.key)
 
 
 # -- chunk digests: verified on several threads ------------------------------------------
@@ -154,10 +160,10 @@ CHUNK = 64 << 10  # small chunks, so a multi-chunk engine stays small
 
 def publish_chunked(root, engine, chunk_bytes=CHUNK):
     ki = inputs()
-    m = cache.publish(root, NS, MODEL, ki.key, engine, engine_file="engine.onnx",
-                      inputs=ki.to_dict(), backend="onnxruntime", backend_version="1.32.0",
-                      target="cpu", build_seconds=1.25, chunk_bytes=chunk_bytes)
-    return m, cache.entry_dir(root, NS, MODEL, m.key)
+    m = publishing.publish(root, NS, MODEL, ki.key, engine, engine_file="engine.onnx",
+                           inputs=ki.to_dict(), backend="onnxruntime", backend_version="1.32.0",
+                           target="cpu", build_seconds=1.25, chunk_bytes=chunk_bytes)
+    return m, entry_dir(root, NS, MODEL, m.key)
 
 
 def test_publish_records_the_whole_digest_and_one_per_chunk(tmp_path):
@@ -169,11 +175,11 @@ def test_publish_records_the_whole_digest_and_one_per_chunk(tmp_path):
     assert on_disk["chunkBlake3"] == [blake3(engine[i:i + CHUNK]).hexdigest()  # what b3sum prints
                                       for i in range(0, len(engine), CHUNK)]
     assert len(on_disk["chunkBlake3"]) == 6 and "chunkSha256" not in on_disk
-    assert cache.Manifest.from_json(m.to_json()) == m
+    assert Manifest.from_json(m.to_json()) == m
     assert (m.chunk_bytes, len(m.chunk_digests), m.chunk_hash) == (CHUNK, 6, "blake3")
     # The default is DIGEST_CHUNK_BYTES.
     default = publish(tmp_path / "d", os.urandom(1000))
-    assert default.chunk_bytes == cache.DIGEST_CHUNK_BYTES and len(default.chunk_digests) == 1
+    assert default.chunk_bytes == verify.DIGEST_CHUNK_BYTES and len(default.chunk_digests) == 1
 
 
 @pytest.mark.parametrize("threads", [None, 1, 3, 8])
@@ -181,15 +187,15 @@ def test_publish_records_the_whole_digest_and_one_per_chunk(tmp_path):
 def test_a_multi_chunk_engine_verifies(tmp_path, size, threads):
     engine = os.urandom(size)
     m, entry = publish_chunked(tmp_path, engine)
-    for read_bytes in (cache.CHUNK_BYTES, CHUNK // 3, 3 * CHUNK + 5):  # reads across chunks
-        data, manifest, timings = cache.read_verified(entry, chunk_bytes=read_bytes,
-                                                      threads=threads)
+    for read_bytes in (verify.CHUNK_BYTES, CHUNK // 3, 3 * CHUNK + 5):  # reads across chunks
+        data, manifest, timings = read_verified(entry, chunk_bytes=read_bytes,
+                                                threads=threads)
         assert bytes(data) == engine and manifest == m
         assert timings.read_seconds >= 0 and timings.verify_seconds >= 0
-    data, _, _ = cache.read_verified(entry, whole_digest=True)
+    data, _, _ = read_verified(entry, whole_digest=True)
     assert bytes(data) == engine
     for threads in (1, 3):  # the benchmark's baselines: one read, the same parallel reads
-        assert bytes(cache.read_unverified(entry, threads=threads, chunk_bytes=CHUNK // 3)[0]) \
+        assert bytes(read_unverified(entry, threads=threads, chunk_bytes=CHUNK // 3)[0]) \
             == engine
 
 
@@ -203,16 +209,16 @@ def test_a_flipped_byte_in_chunk_k_is_refused_naming_chunk_k(tmp_path, k, thread
     (entry / "engine.onnx").write_bytes(engine)
     end = min(len(engine), (k + 1) * CHUNK) - 1
     actual = blake3(engine[k * CHUNK:end + 1]).hexdigest()
-    with pytest.raises(cache.CacheIntegrityError) as e:
-        cache.read_verified(entry, threads=threads, chunk_bytes=CHUNK // 2)
+    with pytest.raises(CacheIntegrityError) as e:
+        read_verified(entry, threads=threads, chunk_bytes=CHUNK // 2)
     message = str(e.value)
     assert f"{entry / 'engine.onnx'}: chunk {k} (bytes {k * CHUNK}-{end}, chunkBytes {CHUNK})" \
         in message
     assert f"blake3 {actual} does not match the manifest's chunkBlake3[{k}] " \
         f"{m.chunk_digests[k]}" in message
     # The whole-file check, as the build's load check asks for, refuses it too.
-    with pytest.raises(cache.CacheIntegrityError, match=f"chunk {k} "):
-        cache.read_verified(entry, whole_digest=True)
+    with pytest.raises(CacheIntegrityError, match=f"chunk {k} "):
+        read_verified(entry, whole_digest=True)
 
 
 @pytest.mark.parametrize("change", ["truncated", "extended", "last-chunk-short"])
@@ -223,8 +229,8 @@ def test_a_truncated_or_extended_chunked_engine_is_refused(tmp_path, change):
     changed = {"truncated": engine[:3 * CHUNK], "extended": engine + b"\0",
                "last-chunk-short": engine[:-1]}[change]
     path.write_bytes(changed)
-    for read in (cache.read_verified, cache.read_unverified):
-        with pytest.raises(cache.CacheIntegrityError) as e:
+    for read in (read_verified, read_unverified):
+        with pytest.raises(CacheIntegrityError) as e:
             read(entry)
         assert f"size {len(changed)} bytes, manifest expects {4 * CHUNK} bytes" in str(e.value)
 
@@ -238,7 +244,7 @@ def test_a_file_that_changes_size_while_it_is_read_is_refused(tmp_path, monkeypa
         doc = json.loads((entry / "manifest.json").read_text())
         del doc["chunkBytes"], doc["chunkBlake3"]
         (entry / "manifest.json").write_text(json.dumps(doc))
-    real_open = cache._open_published
+    real_open = verify._open_published
 
     def then_change(e):
         opened = real_open(e)
@@ -249,12 +255,12 @@ def test_a_file_that_changes_size_while_it_is_read_is_refused(tmp_path, monkeypa
             os.truncate(entry / "engine.onnx", 2 * CHUNK + 7)
         return opened
 
-    monkeypatch.setattr(cache, "_open_published", then_change)
+    monkeypatch.setattr(verify, "_open_published", then_change)
     got = 3 * CHUNK + 1 if change == "grows" else 2 * CHUNK + 7
-    with pytest.raises(cache.CacheIntegrityError,
+    with pytest.raises(CacheIntegrityError,
                        match=f"read {got} bytes, manifest expects {3 * CHUNK} bytes "
                              r"\(the file changed while it was read\)"):
-        cache.read_verified(entry, threads=1)
+        read_verified(entry, threads=1)
 
 
 @pytest.mark.parametrize("edit", ["one-missing", "one-extra", "chunk-size", "size", "empty"])
@@ -280,12 +286,12 @@ def test_a_chunk_list_that_does_not_cover_size_bytes_is_refused(tmp_path, edit):
         count, size, piece = 0, len(engine), CHUNK
     expected = (f"{entry / 'manifest.json'}: {count} chunk digests, but sizeBytes {size} in "
                 f"chunks of {piece} bytes makes {-(-size // piece)}")
-    for read in (cache.read_verified, cache.read_unverified):
-        with pytest.raises(cache.CacheIntegrityError) as e:
+    for read in (read_verified, read_unverified):
+        with pytest.raises(CacheIntegrityError) as e:
             read(entry)
         assert expected in str(e.value)
-    with pytest.raises(cache.CacheIntegrityError, match="the manifest is inconsistent"):
-        cache.lookup(tmp_path, NS, MODEL, m.key)
+    with pytest.raises(CacheIntegrityError, match="the manifest is inconsistent"):
+        lookup(tmp_path, NS, MODEL, m.key)
 
 
 @pytest.mark.parametrize("fields", [{"chunkBytes": 0}, {"chunkBytes": -1}, {"chunkBytes": True},
@@ -295,12 +301,12 @@ def test_a_chunk_list_that_does_not_cover_size_bytes_is_refused(tmp_path, edit):
 def test_malformed_chunk_fields_are_an_invalid_manifest(tmp_path, fields):
     m, entry = publish_chunked(tmp_path, os.urandom(2 * CHUNK))
     _rewrite_manifest(entry, **fields)
-    with pytest.raises(cache.CacheError, match="invalid manifest"):
-        cache.read_verified(entry)
+    with pytest.raises(CacheError, match="invalid manifest"):
+        read_verified(entry)
     doc = json.loads(m.to_json())
     del doc["chunkBlake3"]  # one without the other
-    with pytest.raises(cache.CacheError, match="invalid manifest"):
-        cache.Manifest.from_json(json.dumps(doc))
+    with pytest.raises(CacheError, match="invalid manifest"):
+        Manifest.from_json(json.dumps(doc))
 
 
 def test_an_old_manifest_without_chunks_verifies_with_the_whole_digest(tmp_path):
@@ -309,14 +315,14 @@ def test_an_old_manifest_without_chunks_verifies_with_the_whole_digest(tmp_path)
     doc = json.loads((entry / "manifest.json").read_text())
     del doc["chunkBytes"], doc["chunkBlake3"]  # as an entry published before chunk digests
     (entry / "manifest.json").write_text(json.dumps(doc))
-    data, old, _ = cache.read_verified(entry, chunk_bytes=CHUNK // 2)
+    data, old, _ = read_verified(entry, chunk_bytes=CHUNK // 2)
     assert bytes(data) == engine and old.chunk_bytes == 0 and old.chunk_digests == ()
-    assert "chunkBytes" not in old.to_json() and cache.Manifest.from_json(old.to_json()) == old
-    assert cache.lookup(tmp_path, NS, MODEL, m.key) == old
+    assert "chunkBytes" not in old.to_json() and Manifest.from_json(old.to_json()) == old
+    assert lookup(tmp_path, NS, MODEL, m.key) == old
     engine[2 * CHUNK + 1] ^= 0x80  # and corruption is still caught, by the whole digest
     (entry / "engine.onnx").write_bytes(engine)
-    with pytest.raises(cache.CacheIntegrityError) as e:
-        cache.read_verified(entry)
+    with pytest.raises(CacheIntegrityError) as e:
+        read_verified(entry)
     assert (f"sha256 {hashlib.sha256(engine).hexdigest()} does not match the manifest's "
             f"{m.sha256}") in str(e.value)
 
@@ -328,9 +334,9 @@ def test_whole_digest_catches_a_manifest_pairing_chunks_with_another_sha256(tmp_
     _rewrite_manifest(entry, sha256=other)
     # Pods check the chunks (the manifest is not signed: whoever edits it can edit both);
     # the build's load check, and sha256sum, see the pairing is wrong.
-    assert bytes(cache.read_verified(entry)[0]) == engine
-    with pytest.raises(cache.CacheIntegrityError, match=f"does not match the manifest's {other}"):
-        cache.read_verified(entry, whole_digest=True)
+    assert bytes(read_verified(entry)[0]) == engine
+    with pytest.raises(CacheIntegrityError, match=f"does not match the manifest's {other}"):
+        read_verified(entry, whole_digest=True)
 
 
 def test_gc_keeps_in_use_and_retention_removes_the_rest(tmp_path):
@@ -338,16 +344,16 @@ def test_gc_keeps_in_use_and_retention_removes_the_rest(tmp_path):
     keys = [publish(tmp_path, version=str(v), clock=lambda v=v: t0 + 3600 * v).key
             for v in range(5)]  # keys[4] is the newest
     in_use = {keys[0]}  # the oldest, e.g. the stable version during a canary
-    removed = cache.collect_garbage(tmp_path, in_use, retention=1, now=t0 + 86400)
+    removed = collect_garbage(tmp_path, in_use, retention=1, now=t0 + 86400)
     left = {p.name for p in (tmp_path / NS / MODEL).iterdir()}
     assert left == {keys[0], keys[4]}
     assert sorted(p.name for p in removed) == sorted(keys[1:4])
     # In-use given as (namespace, model, key) protects just as well, even with retention 0.
-    removed = cache.collect_garbage(tmp_path, {(NS, MODEL, keys[0])}, retention=0)
+    removed = collect_garbage(tmp_path, {(NS, MODEL, keys[0])}, retention=0)
     assert [p.name for p in removed] == [keys[4]]
-    assert cache.lookup(tmp_path, NS, MODEL, keys[0]) is not None
+    assert lookup(tmp_path, NS, MODEL, keys[0]) is not None
     with pytest.raises(ValueError):
-        cache.collect_garbage(tmp_path, set(), retention=-1)
+        collect_garbage(tmp_path, set(), retention=-1)
 
 
 # -- an entry is trusted only for what lies inside it -----------------------------------
@@ -434,35 +440,35 @@ UNTRUSTED = ["dotdot", "absolute", "subdirectory", "manifest-as-engine", "symlin
 def test_every_read_refuses_what_leaves_its_entry_or_is_not_a_regular_file(tmp_path, case):
     engine = os.urandom(64 << 10)
     m = publish(tmp_path / "cache", engine)
-    entry = cache.entry_dir(tmp_path / "cache", NS, MODEL, m.key)
+    entry = entry_dir(tmp_path / "cache", NS, MODEL, m.key)
     expected = _untrusted(case, tmp_path, entry, engine)
     if case == "key-mismatch":
         entry, key = entry.with_name(inputs("2").key), inputs("2").key
     else:
         key = m.key
-    for read in (cache.read_verified, cache.read_unverified):
-        with pytest.raises(cache.CacheIntegrityError) as e:
+    for read in (read_verified, read_unverified):
+        with pytest.raises(CacheIntegrityError) as e:
             read(entry)
         assert expected in str(e.value)
-    with pytest.raises(cache.CacheIntegrityError) as e:
-        cache.lookup(tmp_path / "cache", NS, MODEL, key)
+    with pytest.raises(CacheIntegrityError) as e:
+        lookup(tmp_path / "cache", NS, MODEL, key)
     assert expected in str(e.value)
 
 
 def test_quarantine_moves_an_entry_aside_where_readers_do_not_look_and_gc_removes_it(tmp_path):
     t0 = 1_800_000_000.0
     m = publish(tmp_path, clock=lambda: t0)
-    aside = cache.quarantine(tmp_path, NS, MODEL, m.key, "sha256 does not match", clock=lambda: t0)
+    aside = quarantine(tmp_path, NS, MODEL, m.key, "sha256 does not match", clock=lambda: t0)
     assert aside.name.startswith(f".quarantine-{m.key}-20270115T080000")
     assert (aside / "quarantine-reason.txt").read_text() == "sha256 does not match\n"
-    assert cache.lookup(tmp_path, NS, MODEL, m.key) is None
-    assert cache.quarantine(tmp_path, NS, MODEL, m.key, "again") is None  # moved already
+    assert lookup(tmp_path, NS, MODEL, m.key) is None
+    assert quarantine(tmp_path, NS, MODEL, m.key, "again") is None  # moved already
     # Dated from the quarantine (not the entry's build), it is neither an entry GC keeps
     # for rollback nor removed before the stale age.
     since = (aside / "quarantine-reason.txt").stat().st_mtime
-    assert cache.collect_garbage(tmp_path, set(), retention=5, now=since + 60) == []
-    assert cache.collect_garbage(tmp_path, set(), retention=5,
-                                 now=since + cache.STALE_TEMP_SECONDS + 1) == [aside]
+    assert collect_garbage(tmp_path, set(), retention=5, now=since + 60) == []
+    assert collect_garbage(tmp_path, set(), retention=5,
+                           now=since + STALE_TEMP_SECONDS + 1) == [aside]
     assert not aside.exists()
 
 
@@ -471,9 +477,9 @@ def test_quarantine_moves_an_entry_aside_where_readers_do_not_look_and_gc_remove
 def _temporary(root, key, held):
     """A temporary made the way publish makes it, with part of an engine; its lock stays
     held (a live writer) or is released as a killed writer's is."""
-    parent = cache.entry_dir(root, NS, MODEL, key).parent
+    parent = entry_dir(root, NS, MODEL, key).parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp, lock = cache._locked_temporary(parent, key)
+    tmp, lock = publishing._locked_temporary(parent, key)
     (tmp / "engine.onnx").write_bytes(b"half an engine")
     if not held:
         os.close(lock)
@@ -497,7 +503,7 @@ def test_the_next_publish_of_a_key_removes_its_dead_temporaries_only(tmp_path):
     finally:
         os.close(lock)
     # Its writer gone, the live one is debris too.
-    assert cache.remove_dead_temporaries(tmp_path, NS, MODEL, key) == [live]
+    assert remove_dead_temporaries(tmp_path, NS, MODEL, key) == [live]
     assert others.exists() and unlocked.exists()
 
 
@@ -509,11 +515,11 @@ async def test_a_served_model_stays_not_ready_with_the_refusal(tmp_path, case, m
 
     root = tmp_path / "cache"
     m = publish(root, matmul_onnx)
-    entry = cache.entry_dir(root, NS, MODEL, m.key)
+    entry = entry_dir(root, NS, MODEL, m.key)
     expected = _untrusted(case, tmp_path, entry, matmul_onnx) if case else None
     key = inputs("2").key if case == "key-mismatch" else m.key
-    model = ServedModel(MODEL, "1", root, {"cpu": cache.relative_path(NS, MODEL, key)},
-                        {"batching": {"maxBatchSize": 4}}, ServerMetrics(), target="cpu")
+    model = ServedModel(MODEL, "1", root, {"cpu": relative_path(NS, MODEL, key)},
+                        runtime_with_defaults({"batching": {"maxBatchSize": 4}}), ServerMetrics(), target="cpu")
     try:
         loaded = await model.load()
         if case is None:  # the sound entry, as published, serves
@@ -536,11 +542,11 @@ def test_an_entry_with_sha256_chunk_digests_still_verifies(tmp_path, threads):
     del doc["chunkBlake3"]
     doc["chunkSha256"] = sha
     (entry / "manifest.json").write_text(json.dumps(doc))
-    data, old, _ = cache.read_verified(entry, threads=threads)
+    data, old, _ = read_verified(entry, threads=threads)
     assert bytes(data) == engine and (old.chunk_hash, old.chunk_digests) == ("sha256", tuple(sha))
     assert json.loads(old.to_json())["chunkSha256"] == sha
     engine[CHUNK + 3] ^= 0x01
     (entry / "engine.onnx").write_bytes(engine)
-    with pytest.raises(cache.CacheIntegrityError, match=r"chunk 1 .*: sha256 \w+ does not match "
+    with pytest.raises(CacheIntegrityError, match=r"chunk 1 .*: sha256 \w+ does not match "
                                                         r"the manifest's chunkSha256\[1\]"):
-        cache.read_verified(entry, threads=threads)
+        read_verified(entry, threads=threads)

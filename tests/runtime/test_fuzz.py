@@ -48,7 +48,7 @@ from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, 
 from support.fuzzing import deep_literals, dump, fuzz_settings, huge_literals, non_finite
 from support.hostile_http import (HOSTILE_MAX_BODY, INFER, MAX_ERROR_CHARS, Answer,
                                   assert_still_serves, http_request, raw_exchange)
-from support.sequence_models import RNN_STATES, rnn_model, with_defaults
+from support.sequence_models import RNN_STATES, rnn_model
 from support.serving import (NAME, Built, ServerThread, assert_matches, build_cpu_engine, json_inputs,
                              sample)
 
@@ -653,7 +653,7 @@ def stateful(tmp_path_factory, tracebacks):
     root = tmp_path_factory.mktemp("fuzz-tenants")
     rel = build_cpu_engine(root, "rnn", rnn_model())
     # Examples start sequences and leave them live: room for kiln-explore's many.
-    runtime = with_defaults({"sequences": {"states": RNN_STATES, "maxLiveSequences": 100_000}})
+    runtime = {"sequences": {"states": RNN_STATES, "maxLiveSequences": 100_000}}
     srv = ServerThread(root / "cache", {"cpu": rel}, runtime, grpc_port=0)
     assert srv.wait_loaded(), srv.model.status_message()
     with grpc.insecure_channel(srv.server.grpc_address) as channel:

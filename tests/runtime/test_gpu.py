@@ -236,17 +236,19 @@ def gpu_node(monkeypatch):
 
 async def served_metrics(root, onnx, backend: str, target: str) -> str:
     """Load `onnx` as a `backend` engine for `target` on this node; its /metrics text."""
-    from kiln.runtime.engine import cache
+    from kiln.runtime.engine.cache.entry import relative_path
+    from kiln.runtime.engine.cache.publish import publish
     from kiln.runtime.api import enginekey
+    from kiln.runtime.api.spec import runtime_with_defaults
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import READY, ServedModel
 
     ki = enginekey.key_inputs({"uri": "pvc://models/m.onnx", "version": "1"},
                               {"backend": backend, "precision": "fp32"}, target, "1")
-    cache.publish(root, "ml", "m", ki.key, onnx, engine_file="engine", inputs=ki.to_dict(),
-                  backend=backend, backend_version="1", target=target, build_seconds=1)
+    publish(root, "ml", "m", ki.key, onnx, engine_file="engine", inputs=ki.to_dict(),
+            backend=backend, backend_version="1", target=target, build_seconds=1)
     metrics = ServerMetrics()
-    model = ServedModel("m", "1", root, {target: cache.relative_path("ml", "m", ki.key)}, {},
+    model = ServedModel("m", "1", root, {target: relative_path("ml", "m", ki.key)}, runtime_with_defaults(),
                         metrics)
     try:
         assert await model.load() and model.state == READY, model.error

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import FAILED, READY, STOPPED, ServedModel
@@ -28,7 +29,7 @@ from kiln.runtime.serving.servers import InferenceServer
 
 pytestmark = pytest.mark.timeout(60)
 
-RUNTIME = {"batching": {"maxBatchSize": 4}}
+RUNTIME = runtime_with_defaults({"batching": {"maxBatchSize": 4}})
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +136,11 @@ def test_kiln_serve_refuses_a_load_timeout_that_is_not_positive(tmp_path, value)
 # bytes, as a read of a hung NFS volume does.
 HUNG_WRAPPER = """
 import sys, threading
-from kiln.runtime.engine import cache
+from kiln.runtime.engine.cache import verify
 def hung(fd, view, offset):
     print("engine read: hung", file=sys.stderr, flush=True)
     threading.Event().wait()
-cache._read_at = hung
+verify._read_at = hung
 from kiln.cli import main
 sys.exit(main())
 """

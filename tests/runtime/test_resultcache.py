@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.scheduling.resultcache import MIB, ResultCache, ResultCacheConfig, input_digest
 
@@ -107,9 +108,17 @@ def test_digest_is_canonical_and_sees_every_difference():
     assert base != input_digest({"a": changed, "b": x[:, :2].copy()})  # bytes
 
 
+def cache_spec(result_cache: dict) -> dict:
+    """spec.runtime.resultCache with the CRD's defaults applied, as `kiln serve` reads it."""
+    return runtime_with_defaults({"resultCache": result_cache})["resultCache"]
+
+
 def test_config_defaults_and_validation():
-    assert ResultCacheConfig.from_spec({}) == ResultCacheConfig(False, 64 * MIB, 300)
+    assert ResultCacheConfig.from_spec(cache_spec({})) == ResultCacheConfig(False, 64 * MIB, 300)
     with pytest.raises(ValueError, match="resultCache.ttlSeconds must be > 0, got 0"):
-        ResultCacheConfig.from_spec({"ttlSeconds": 0})
+        ResultCacheConfig.from_spec(cache_spec({"ttlSeconds": 0}))
+    # The defaults come from the CRD once (`kiln serve` applies them), never from here.
+    with pytest.raises(ValueError, match=r"^runtime\.resultCache\.ttlSeconds is missing: "):
+        ResultCacheConfig.from_spec({"enabled": True, "maxMiB": 1})
     with pytest.raises(ValueError, match="engine_key must be a non-empty string"):
         ResultCache.key("", inp(0))

@@ -16,11 +16,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.engine.backends import get_backend
 from kiln.runtime.engine.backends.base import BackendError, BuildOptions, ShapeRange
 from kiln.runtime.serving.metrics import ServerMetrics
-from kiln.runtime.serving.scheduling.scheduler import (UNHEALTHY_AFTER, ExecutionFailed, InvalidBatch, Overloaded,
-                                    Scheduler, ShuttingDown)
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
+from kiln.runtime.serving.scheduling.scheduler import UNHEALTHY_AFTER, Scheduler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,7 +169,7 @@ def mlp():
 async def started(engine, spec, clock=None, key="key-a") -> tuple[Scheduler, ServerMetrics]:
     metrics = ServerMetrics()
     kwargs = {"clock": clock} if clock is not None else {}
-    s = Scheduler(engine, spec, metrics, "m", key, **kwargs)
+    s = Scheduler(engine, runtime_with_defaults(spec), metrics, "m", key, **kwargs)
     await s.start()
     return s, metrics
 
@@ -296,8 +297,8 @@ async def test_busy_seconds_rate_is_the_fraction_of_contexts_in_use(mlp):
     contexts busy for 10 s adds 5 s (half the capacity); both busy for 10 s add 10 s."""
     clock, engine = FakeClock(), FlakyEngine(load_engine(mlp))
     metrics = ServerMetrics()
-    s = Scheduler(engine, {"batching": {"enabled": False}, "contextsPerGPU": 2}, metrics, "m", "key-a",
-                  clock=clock, version="7")
+    s = Scheduler(engine, runtime_with_defaults({"batching": {"enabled": False}, "contextsPerGPU": 2}), metrics,
+                  "m", "key-a", clock=clock, version="7")
     await s.start()
     busy = lambda: metrics.registry.get_sample_value("kiln_engine_busy_seconds_total",  # noqa: E731
                                                      {"model": "m", "version": "7"})
@@ -531,4 +532,12 @@ async def test_result_cache_answers_repeated_inputs_without_executing(mlp):
 ])
 def test_bad_runtime_spec_is_refused_with_a_clear_message(mlp, spec, message):
     with pytest.raises(ValueError, match=message):
+        Scheduler(load_engine(mlp), runtime_with_defaults(spec), ServerMetrics(), "m", "key-a")
+
+
+def test_a_runtime_spec_without_the_crds_defaults_is_refused_naming_the_key(mlp):
+    # The defaults come from the CRD once (`kiln serve` applies them), never from here.
+    spec = runtime_with_defaults()
+    del spec["contextsPerGPU"]
+    with pytest.raises(ValueError, match=r"^runtime\.contextsPerGPU is missing: "):
         Scheduler(load_engine(mlp), spec, ServerMetrics(), "m", "key-a")

@@ -27,6 +27,7 @@ from kiln.runtime.serving.refusals import Kind
 from kiln.runtime.engine.backends.base import TensorSpec
 from kiln.runtime.serving.protocol import decode_infer_response
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.serving.sequences import stores
 from kiln.runtime.serving.sequences.codec import (TOKEN_BYTES, TOKEN_OFFSET, CorruptState, StoredState,
                                                   decode_state, encode_state)
@@ -35,8 +36,7 @@ from kiln.runtime.serving.sequences.params import (MAX_TENANT_BYTES, SequenceErr
                                                    parse_parameters, tenant_hash, tenant_of)
 from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec, check_pairs
 from support.sequence_models import (AR_STATES, RNN_STATES, RedisServer, autoregressive_model,
-                                     redis_server_binary, reference_autoregressive, rnn_model,
-                                     with_defaults)
+                                     redis_server_binary, reference_autoregressive, rnn_model)
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="needs redis-server (make redis)")
@@ -75,7 +75,7 @@ class NumpyRnn:
 def manager(store=None, clock=None, engine=None, engine_key="key-1",
             **spec_fields) -> SequenceManager:
     raw = {"states": [{"input": "h", "output": "h_next"}], **spec_fields}
-    spec = SequenceSpec.from_runtime(with_defaults({"sequences": raw}))
+    spec = SequenceSpec.from_runtime(runtime_with_defaults({"sequences": raw}))
     return SequenceManager(spec, "rnn", engine_key,
                               engine or NumpyRnn(), INPUTS, OUTPUTS, store=store,
                               clock=clock or Clock())
@@ -115,19 +115,19 @@ async def refused(coro) -> SequenceError:
 # ------------------------------------------------------------------ the spec and the parameters
 
 def test_spec_defaults_and_pairs():
-    spec = SequenceSpec.from_runtime(with_defaults({"sequences": {"states": RNN_STATES}}))
+    spec = SequenceSpec.from_runtime(runtime_with_defaults({"sequences": {"states": RNN_STATES}}))
     assert spec.states == (("h", "h_next"),)
     assert (spec.idle_timeout, spec.max_live, spec.store.type) == (300, 1024, "memory")
     assert SequenceSpec.from_runtime({}) is None
     with pytest.raises(ValueError, match="address is required"):
-        SequenceSpec.from_runtime(with_defaults({"sequences": {"states": RNN_STATES,
+        SequenceSpec.from_runtime(runtime_with_defaults({"sequences": {"states": RNN_STATES,
                                                                "store": {"type": "redis"}}}))
 
 
 def test_the_spec_requires_what_the_crd_defaults():
     """The CRD's defaults are applied before the spec is read (the API server, kiln serve):
     a key the CRD defaults is required here, and a missing one is named."""
-    whole = with_defaults({"sequences": {"states": RNN_STATES}})["sequences"]
+    whole = runtime_with_defaults({"sequences": {"states": RNN_STATES}})["sequences"]
     for key in ("idleTimeoutSeconds", "maxLiveSequences", "maxBytesPerSequence",
                 "maxBytesTotal", "store"):
         raw = {k: v for k, v in whole.items() if k != key}
@@ -569,7 +569,7 @@ class Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.model = ServedModel(name, "1", root / "cache", {"cpu": rel}, with_defaults(runtime),
+        self.model = ServedModel(name, "1", root / "cache", {"cpu": rel}, runtime_with_defaults(runtime),
                                  ServerMetrics(), target="cpu")
         self.server = InferenceServer([self.model], self.model.metrics)
         url = self.call(self.server.start("127.0.0.1", 0, 0))
@@ -758,7 +758,7 @@ def test_a_mismatched_pair_keeps_the_pod_alive_and_not_ready(engines):
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
 
-    model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, with_defaults(runtime),
+    model = ServedModel("rnn", "1", root / "cache", {"cpu": rels["rnn"]}, runtime_with_defaults(runtime),
                         ServerMetrics(), target="cpu")
     assert asyncio.run(model.load()) is False
     assert model.error == ("spec.runtime.sequences.states[0]: input 'h' (FP32 [1, 32]) and "

@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.engine.backends.base import BackendError
 from kiln.runtime.engine.backends.tensorrt import TRT_DATATYPES, TensorRTBackend
 from kiln.runtime.serving.metrics import ServerMetrics
@@ -173,7 +174,7 @@ def test_scheduler_batches_over_gpu_contexts_in_threads(cuda):
                 for _ in range(200)]
 
     async def main():
-        scheduler = Scheduler(engine, spec, metrics, "affine", "k")
+        scheduler = Scheduler(engine, runtime_with_defaults(spec), metrics, "affine", "k")
         await scheduler.start()
         try:
             return await asyncio.gather(*(scheduler.submit({"x": x}) for x in requests))

@@ -9,8 +9,6 @@ their state in.
   `y` = h_next @ V [1, 4].
 - `RedisServer`: Debian's `redis-server` on a free loopback port, no persistence, in a
   temporary directory; stopped (and restartable on the same port) by the test.
-- `with_defaults(runtime)`: a hand-written spec.runtime's sequences as the server gets them,
-  the CRD's defaults applied.
 """
 
 from __future__ import annotations
@@ -25,17 +23,6 @@ import numpy as np
 
 AR_STATES = [{"input": "past", "output": "present"}]
 RNN_STATES = [{"input": "h", "output": "h_next"}]
-
-
-def with_defaults(runtime: dict) -> dict:
-    """`runtime` (spec.runtime) with the CRD's defaults applied to its `sequences`, as the
-    API server and `kiln serve` apply them; the rest stays as written."""
-    from kiln.runtime.api import spec
-
-    if runtime.get("sequences") is None:
-        return dict(runtime)
-    defaulted = spec.apply_defaults({"runtime": {"sequences": runtime["sequences"]}})
-    return {**runtime, "sequences": defaulted["runtime"]["sequences"]}
 
 
 def _model(graph):

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.model import ServedModel
+from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.serving.servers import InferenceServer
 
 from .metrics import metric_value
@@ -103,7 +104,8 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.metrics = ServerMetrics()
-        self.model = ServedModel(NAME, "1", cache, engines, runtime or RUNTIME, self.metrics,
+        self.model = ServedModel(NAME, "1", cache, engines, runtime_with_defaults(runtime or RUNTIME),
+                                 self.metrics,
                                  target=target)
         self.server = InferenceServer([self.model], self.metrics,
                                       max_body_bytes=max_body_bytes, **server_args)

@@ -17,7 +17,12 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from kiln.runtime.api.spec import require_keys
+
 MAX_BATCH_SIZE_LIMIT = 4096  # the CRD's bound on runtime.batching.maxBatchSize
+# The keys of spec.runtime.batching the CRD gives a default.
+_DEFAULTED_KEYS = ("enabled", "maxBatchSize", "maxQueueDelayMicroseconds", "maxQueueSize",
+                   "maxAdmissionWaitMilliseconds")
 
 
 def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
@@ -34,14 +39,14 @@ def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
 class BatchingConfig:
     """`spec.runtime.batching`, validated; delays in seconds."""
 
-    enabled: bool = True
-    max_batch_size: int = 32
-    preferred_batch_sizes: tuple[int, ...] = ()
-    max_queue_delay: float = 0.0
-    max_queue_size: int = 1024
+    enabled: bool
+    max_batch_size: int
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay: float
+    max_queue_size: int
     # A request that finds the queue full waits this long for a place, holding only its
     # headers, before it is refused: clients that retry at once then wait instead of spinning.
-    max_admission_wait: float = 0.1
+    max_admission_wait: float
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -59,28 +64,29 @@ class BatchingConfig:
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> "BatchingConfig":
-        """From the manifest's camelCase `batching` map; missing keys take the API defaults."""
+        """From the manifest's camelCase `batching` map, with the CRD's defaults applied
+        (`kiln serve` applies them); a missing key raises ValueError naming it."""
         spec = spec or {}
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime.batching must be a map, got {type(spec).__name__}")
-        unknown = set(spec) - {"enabled", "maxBatchSize", "preferredBatchSizes",
-                               "maxQueueDelayMicroseconds", "maxQueueSize",
-                               "maxAdmissionWaitMilliseconds"}
+        unknown = set(spec) - {*_DEFAULTED_KEYS, "preferredBatchSizes"}
         if unknown:
             raise ValueError(f"runtime.batching has unknown keys {sorted(unknown)}")
+        require_keys(spec, _DEFAULTED_KEYS, "runtime.batching")
+        # The one optional key: the CRD has no default for it (no preferred size).
         preferred = spec.get("preferredBatchSizes") or []
         if not isinstance(preferred, (list, tuple)):
             raise ValueError(f"batching.preferredBatchSizes must be a list, got {preferred!r}")
-        delay_us = spec.get("maxQueueDelayMicroseconds", 0)
+        delay_us = spec["maxQueueDelayMicroseconds"]
         _int(delay_us, "batching.maxQueueDelayMicroseconds", 0)
-        wait_ms = spec.get("maxAdmissionWaitMilliseconds", 100)
+        wait_ms = spec["maxAdmissionWaitMilliseconds"]
         _int(wait_ms, "batching.maxAdmissionWaitMilliseconds", 0)
         return cls(
-            enabled=spec.get("enabled", True),
-            max_batch_size=spec.get("maxBatchSize", 32),
+            enabled=spec["enabled"],
+            max_batch_size=spec["maxBatchSize"],
             preferred_batch_sizes=tuple(sorted(set(preferred))),
             max_queue_delay=delay_us / 1e6,
-            max_queue_size=spec.get("maxQueueSize", 1024),
+            max_queue_size=spec["maxQueueSize"],
             max_admission_wait=wait_ms / 1e3,
         )
 

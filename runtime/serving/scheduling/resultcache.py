@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.metrics import ServerMetrics
 
 MIB = 1 << 20
@@ -26,9 +27,9 @@ MIB = 1 << 20
 class ResultCacheConfig:
     """`spec.runtime.resultCache`, validated."""
 
-    enabled: bool = False
-    max_bytes: int = 64 * MIB
-    ttl_seconds: float = 300.0
+    enabled: bool
+    max_bytes: int
+    ttl_seconds: float
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -41,17 +42,20 @@ class ResultCacheConfig:
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> "ResultCacheConfig":
+        """From the manifest's `resultCache` map, with the CRD's defaults applied (`kiln
+        serve` applies them); a missing key raises ValueError naming it."""
         spec = spec or {}
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime.resultCache must be a map, got {type(spec).__name__}")
-        unknown = set(spec) - {"enabled", "maxMiB", "ttlSeconds"}
+        keys = ("enabled", "maxMiB", "ttlSeconds")
+        unknown = set(spec) - set(keys)
         if unknown:
             raise ValueError(f"runtime.resultCache has unknown keys {sorted(unknown)}")
-        max_mib = spec.get("maxMiB", 64)
+        require_keys(spec, keys, "runtime.resultCache")
+        max_mib = spec["maxMiB"]
         if isinstance(max_mib, bool) or not isinstance(max_mib, int) or max_mib < 1:
             raise ValueError(f"resultCache.maxMiB must be a positive integer, got {max_mib!r}")
-        return cls(enabled=spec.get("enabled", False), max_bytes=max_mib * MIB,
-                   ttl_seconds=spec.get("ttlSeconds", 300))
+        return cls(enabled=spec["enabled"], max_bytes=max_mib * MIB, ttl_seconds=spec["ttlSeconds"])
 
 
 def input_digest(inputs: Mapping[str, np.ndarray]) -> bytes:

@@ -9,9 +9,7 @@ execution context, then forms the next batch (runtime/serving/scheduling/batchin
 it to that context's thread (runtime/serving/scheduling/pool.py). Results go back to each request by its
 rows; a failed batch fails its own requests and no others.
 
-Errors the server maps to HTTP: `InvalidBatch` -> 400 (also the engine refusing a request's
-inputs, which never counts toward health), `Overloaded` -> 429 with Retry-After
-(`ShuttingDown`, a subclass, while draining), `ExecutionFailed` -> 500.
+The errors a request can get are runtime/serving/scheduling/errors.py's.
 """
 
 from __future__ import annotations
@@ -25,43 +23,17 @@ from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
+from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.scheduling import batching
 from kiln.runtime.engine.backends.base import InvalidInputError, LoadedEngine
 from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 from kiln.runtime.serving.scheduling.pool import ContextPool, ExecutionError, Slot
 from kiln.runtime.serving.scheduling.resultcache import ResultCache, ResultCacheConfig
 
-DEFAULT_CONTEXTS = 2
 MAX_RETRIES = 2  # re-executions of a failed batch, each on a freshly created context
 UNHEALTHY_AFTER = 3  # consecutive batches that failed every attempt -> not ready
 _EWMA = 0.2  # weight of the newest batch in the running batch-time estimate
-
-
-class SchedulerError(Exception):
-    """Base of the errors a request can get from the scheduler."""
-
-
-class Overloaded(SchedulerError):
-    """The queue is full: answer 429 and ask the client to come back after `retry_after` s."""
-
-    def __init__(self, retry_after: float, message: str | None = None):
-        self.retry_after = retry_after
-        super().__init__(message or f"too many requests waiting; retry after {retry_after:.3f} s")
-
-    def __reduce__(self):  # raised in the engine process, re-raised in a front end
-        return type(self), (self.retry_after, str(self))
-
-
-class ShuttingDown(Overloaded):
-    """The scheduler is draining for shutdown; another replica should take the request."""
-
-
-class InvalidBatch(SchedulerError):
-    """The request's own batch cannot run: answer 400."""
-
-
-class ExecutionFailed(SchedulerError):
-    """The engine failed on the request's batch (after retries): answer 500."""
 
 
 @dataclass(eq=False)
@@ -91,8 +63,9 @@ class Scheduler:
     """Dynamic batching over a pool of execution contexts of one loaded engine.
 
     `runtime_spec` is the InferenceModel's `spec.runtime` (`contextsPerGPU`, `batching`,
-    `resultCache`; missing keys take the defaults of docs/api.md). `clock` is read for
-    queue delays, queue times and the result cache's TTL.
+    `resultCache`) with the CRD's defaults applied (`kiln serve` applies them; by hand:
+    kiln.runtime.api.spec.runtime_with_defaults); a missing key raises ValueError naming it.
+    `clock` is read for queue delays, queue times and the result cache's TTL.
     """
 
     def __init__(self, engine: LoadedEngine, runtime_spec: Mapping[str, Any] | None,
@@ -107,14 +80,15 @@ class Scheduler:
             raise ValueError("engine_key must be a non-empty string")
         self.model = model
         self.engine_key = engine_key
-        self.batching = batching.BatchingConfig.from_spec(spec.get("batching"))
-        cache_config = ResultCacheConfig.from_spec(spec.get("resultCache"))
+        require_keys(spec, ("contextsPerGPU", "batching", "resultCache"), "runtime")
+        self.batching = batching.BatchingConfig.from_spec(spec["batching"])
+        cache_config = ResultCacheConfig.from_spec(spec["resultCache"])
         self._clock = clock
         self._batchable, self.engine_max_batch = _engine_batching(engine)
         # Rows one batch may hold: the configured maximum, clipped to the engine's profile.
         self.max_rows = min(self.batching.max_batch_size, self.engine_max_batch or math.inf)
         self._batch_requests = self.batching.enabled and self._batchable
-        self.pool = ContextPool(engine, spec.get("contextsPerGPU", DEFAULT_CONTEXTS), metrics, model,
+        self.pool = ContextPool(engine, spec["contextsPerGPU"], metrics, model,
                                 version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
         self.cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
                                   model=model, clock=clock) if cache_config.enabled else None)

@@ -16,7 +16,7 @@ import numpy as np
 
 from kiln.runtime.serving.model import ServedModel
 from kiln.runtime.serving.refusals import Refusal
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, SchedulerError
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, SchedulerError
 from kiln.runtime.serving.workers.wire import Channel, Segment, pack, unpack
 
 if TYPE_CHECKING:

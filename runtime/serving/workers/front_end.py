@@ -25,7 +25,7 @@ from kiln.runtime.serving.refusals import Kind, Refusal
 from kiln.runtime.serving.rest.connections import ConnectionLimits
 from kiln.runtime.serving.scheduling import batching
 from kiln.runtime.serving.servers import InferenceServer
-from kiln.runtime.serving.scheduling.scheduler import ExecutionFailed, InvalidBatch, ShuttingDown
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, ShuttingDown
 from kiln.runtime.serving.sequences.params import names_sequence
 from kiln.runtime.serving.workers.wire import SLOT_BYTES, SLOTS, Channel, Segment, pack, unpack
 

@@ -1,100 +1,36 @@
-"""Pure builders: an InferenceModel's (defaulted) spec in, Kubernetes manifests and status out.
+"""What the operator writes, built from an InferenceModel's (defaulted) spec: the build Job,
+the runtime Deployment and Service, the engine index ConfigMap, the JSON Patch that weighs
+an HTTPRoute's or GRPCRoute's backends, and the kubectl-apply bookkeeping they carry.
 
 Nothing here talks to the API or reads the clock except through an argument, so every
-function is tested without a cluster (tests/operator/test_builders.py).
+function is tested without a cluster (tests/operator/test_builders.py). What the operator
+reads back from these objects is observations.py's; which engines a spec needs, plan.py's.
 
-- `plan_engines`: the engines the spec needs, one per distinct target architecture, with
-  their keys (`kiln.runtime.api.enginekey`).
 - `build_job`: the build Job for one engine (`kiln build --request ...`).
 - `runtime_deployment`, `runtime_service`: the serving workload (`kiln serve ...`).
-- `job_state`, `termination_result`: what a finished build Job and its pod say.
-- `observe_deployment`, `template_drift`: what a live runtime Deployment says, and where
-  its pod template differs from what Kiln applied.
 - `route_weights_patch`: the JSON Patch that sets backend weights on a Gateway API HTTPRoute or GRPCRoute.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 from typing import Any, Iterable, Mapping
 
 from kiln.operator.config import OperatorConfig
+from kiln.operator.plan import EngineRef
 from kiln.runtime.api import contract, enginekey
-
-# The shared contract, re-exported for the operator's modules and tests (one home: runtime/api/contract.py).
-from kiln.runtime.api.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION, ANN_MODEL_VERSION,  # noqa: E402,F401
-                                   ANN_REQUESTED_BY, API_VERSION, CACHE_DIR, ENGINE_INDEX, GROUP, KIND, LABEL_ENGINE_KEY,
-                                   LABEL_KEY, LABEL_MODEL, LABEL_ROLE, LABEL_TARGET, LABEL_TRACK, MANAGED_BY, PVC_ROOT,
-                                   SERVICE_PORT, VERSION)
-from kiln.runtime.api.contract import GRPC_PORT  # noqa: E402
-from kiln.runtime.api.contract import FRONT_END_SHM_BYTES, MAX_AUTO_FRONT_END_WORKERS  # noqa: E402
-from kiln.runtime.api.errors import EXIT_REASONS  # noqa: E402,F401
+from kiln.runtime.api.contract import (ANN_APPLIED, ANN_APPLIED_HASH, ANN_GENERATION, ANN_MODEL_VERSION,
+                                       ANN_REQUESTED_BY, API_VERSION, CACHE_DIR, ENGINE_INDEX, FRONT_END_SHM_BYTES,
+                                       GRPC_PORT, KIND, LABEL_ENGINE_KEY, LABEL_KEY, LABEL_MODEL, LABEL_ROLE,
+                                       LABEL_TARGET, LABEL_TRACK, MANAGED_BY, MAX_AUTO_FRONT_END_WORKERS, PVC_ROOT,
+                                       SERVICE_PORT)
 
 RUNTIME_PORT_NAME = "http"
 GRPC_PORT_NAME = "grpc"
 GPU = "nvidia.com/gpu"
 NON_ROOT_UID = 65532  # the images' USER (Dockerfile)
-
-
-# ------------------------------------------------------------------------ engines
-
-@dataclasses.dataclass(frozen=True)
-class EngineRef:
-    """One engine an InferenceModel needs."""
-
-    key: str
-    target: str  # as written in spec.engine.targets (or the default)
-    architecture: str  # normalized: sm90, cpu
-    backend: str
-    backend_version: str
-
-    @property
-    def job_name(self) -> str:
-        return job_name(self.key, self.architecture)
-
-    @property
-    def index_key(self) -> str:
-        return contract.index_key(self.key, self.architecture)
-
-
-def job_name(key: str, architecture: str) -> str:
-    """Deterministic from key and target: every model asking for the engine finds one Job."""
-    return f"kiln-build-{key}-{architecture}"
-
-
-def targets_of(spec: Mapping[str, Any], config: OperatorConfig) -> list[str]:
-    engine = spec.get("engine") or {}
-    targets = list(engine.get("targets") or ())
-    if targets:
-        return targets
-    if engine.get("backend", "tensorrt") == "onnxruntime":
-        return [enginekey.CPU_TARGET]
-    return list(config.default_targets)
-
-
-def plan_engines(spec: Mapping[str, Any], config: OperatorConfig) -> list[EngineRef]:
-    """One EngineRef per distinct architecture, in the order of spec.engine.targets.
-
-    Raises ValueError for a target or backend the operator cannot build for.
-    """
-    engine = spec.get("engine") or {}
-    backend = engine.get("backend", "tensorrt")
-    version = config.backend_version(backend)
-    refs: list[EngineRef] = []
-    seen: set[str] = set()
-    for target in targets_of(spec, config):
-        arch = enginekey.normalize_target(target)
-        if arch in seen:
-            continue
-        if backend == "tensorrt" and arch == enginekey.CPU_TARGET:
-            raise ValueError("backend tensorrt cannot build for target 'cpu': use backend onnxruntime")
-        seen.add(arch)
-        key = enginekey.key_inputs(spec["model"], engine, arch, version).key
-        refs.append(EngineRef(key=key, target=target, architecture=arch, backend=backend, backend_version=version))
-    return refs
 
 
 # ------------------------------------------------------------------------ shared pieces
@@ -236,66 +172,6 @@ def build_job(model: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineR
             },
         },
     }
-
-
-# ------------------------------------------------------------------------ what a Job says
-
-@dataclasses.dataclass(frozen=True)
-class JobState:
-    phase: str  # Active | Succeeded | Failed
-    reason: str = ""
-    message: str = ""
-
-
-def job_state(job: Mapping[str, Any]) -> JobState:
-    status = job.get("status") or {}
-    for c in status.get("conditions") or ():
-        if c.get("status") != "True":
-            continue
-        if c.get("type") == "Complete":
-            return JobState("Succeeded")
-        if c.get("type") == "Failed":
-            return JobState("Failed", c.get("reason") or "BackoffLimitExceeded", c.get("message") or "")
-    if status.get("succeeded"):
-        return JobState("Succeeded")
-    return JobState("Active")
-
-
-def termination_state(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The newest terminated `build` container state among a Job's pods."""
-    best = None
-    for pod in pods:
-        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-            term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
-            if term and (best is None or (term.get("finishedAt") or "") >= (best.get("finishedAt") or "")):
-                best = term
-    return best
-
-
-def termination_result(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The build result JSON from the pod's termination message, or None if none is readable."""
-    term = termination_state(pods)
-    return contract.parse_result(term.get("message")) if term else None
-
-
-def failure_message(state: JobState, pods: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
-    """(reason, message) for a failed build: the Job's condition and what the pod said."""
-    pods = list(pods)
-    result = termination_result(pods)
-    term = termination_state(pods)
-    parts = []
-    reason = "BuildFailed"
-    if result and not result.get("ok"):
-        detail = result.get("reason") or ""
-        parts.append(f"{detail}: {result.get('message', '')}".strip(": "))
-    elif term is not None:
-        code = term.get("exitCode")
-        parts.append(f"exit code {code} ({EXIT_REASONS.get(int(code or 0)) or term.get('reason') or 'Error'})"
-                     + (f": {term['message'].strip()[-500:]}" if term.get("message") else ""))
-    job_part = state.reason + (f": {state.message}" if state.message else "")
-    if job_part:
-        parts.append(f"Job {job_part}")
-    return reason, "; ".join(p for p in parts if p) or "the build Job failed"
 
 
 # ------------------------------------------------------------------------ runtime
@@ -506,113 +382,6 @@ def engine_index_configmap(namespace: str, data: Mapping[str, str]) -> dict[str,
             "metadata": {"name": ENGINE_INDEX, "namespace": namespace,
                          "labels": {"app.kubernetes.io/name": ENGINE_INDEX, **MANAGED_BY}},
             "data": dict(data)}
-
-
-# ------------------------------------------------------------------------ what a Deployment says
-
-# On a runtime Deployment: the generation whose template was rolled out when Kiln last changed
-# its replicas alone (the next generation is then a scale, not a rollout).
-ANN_SCALED_FROM = "kiln.dev/scaled-from-generation"
-
-
-@dataclasses.dataclass
-class DeploymentObservation:
-    exists: bool = False
-    engine_key: str = ""  # the key its pod template runs
-    replicas: int = 0
-    ready: int = 0
-    updated: int = 0
-    desired: int = 0
-    rolled_out: bool = False  # the controller saw the latest generation and every pod is updated
-
-
-def observe_deployment(dep: Mapping[str, Any] | None) -> DeploymentObservation:
-    if not dep:
-        return DeploymentObservation()
-    meta, spec, status = dep.get("metadata") or {}, dep.get("spec") or {}, dep.get("status") or {}
-    desired = int(spec.get("replicas", 1))
-    updated = int(status.get("updatedReplicas") or 0)
-    ready = int(status.get("readyReplicas") or 0)
-    replicas = int(status.get("replicas") or 0)
-    generation, observed = int(meta.get("generation") or 0), int(status.get("observedGeneration") or 0)
-    # The latest generation only scaled a rolled-out template (`set_replicas` says so): while
-    # the controller and the ReplicaSet catch up, that is no rollout, every pod is of the
-    # current template.
-    scaled = ((meta.get("annotations") or {}).get(ANN_SCALED_FROM) == str(generation - 1)
-              and observed >= generation - 1)
-    labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
-    # The Deployment controller's own word that the rollout completed (its Progressing
-    # condition; it stays so when a pod fails later): until then, pods that are still
-    # starting are a rollout in progress, not a degradation.
-    progressing = next((c for c in status.get("conditions") or () if c.get("type") == "Progressing"), None)
-    completed = progressing is None or progressing.get("reason") == "NewReplicaSetAvailable"
-    return DeploymentObservation(
-        exists=True, engine_key=labels.get(LABEL_ENGINE_KEY, ""), replicas=replicas, ready=ready, updated=updated,
-        desired=desired, rolled_out=completed and (updated >= replicas if scaled else
-                                                   observed >= generation and updated >= desired and replicas <= desired))
-
-
-# The container fields Kiln restores when someone else changes them (the kopf index of
-# Deployments keeps these, and nothing else of the pod spec).
-DRIFT_FIELDS = ("image", "command", "args", "env", "envFrom", "resources", "startupProbe", "readinessProbe",
-                "livenessProbe")
-_QUANTITY_SUFFIXES = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                      "P": 1e15, "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
-                      "Ei": 2**60}
-
-
-def _quantity(value: Any) -> Any:
-    """A resource quantity as a number ("1000m" and 1 are equal), else the value as text."""
-    text = str(value)
-    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
-        if suffix and not text.endswith(suffix):
-            continue
-        try:
-            return round(float(text[:len(text) - len(suffix)] if suffix else text) * _QUANTITY_SUFFIXES[suffix], 9)
-        except ValueError:
-            continue
-    return text
-
-
-def _covers(live: Any, want: Any, quantities: bool = False) -> bool:
-    """`live` has everything `want` has (the API server adds defaults: scheme, successThreshold ...)."""
-    if isinstance(want, dict):
-        return isinstance(live, dict) and all(_covers(live.get(k), v, quantities) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(live, list) and len(live) == len(want) and all(
-            _covers(a, b, quantities) for a, b in zip(live, want))
-    if quantities:
-        return _quantity(live) == _quantity(want)
-    return live == want or (live is not None and str(live) == str(want))
-
-
-def template_drift(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -> list[str]:
-    """The container fields (`runtime.image`, ...) of the live Deployment that differ from the
-    manifest Kiln applied; empty when they match or the live object shows no containers."""
-    live_containers = (((live or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("containers")
-    if live_containers is None:
-        return []
-    by_name = {c.get("name"): c for c in live_containers}
-    drift = []
-    for want in applied["spec"]["template"]["spec"]["containers"]:
-        have = by_name.get(want["name"])
-        if have is None:
-            drift.append(want["name"])
-            continue
-        for field in DRIFT_FIELDS:
-            if field in want:
-                same = _covers(have.get(field), want[field], quantities=field == "resources")
-            else:
-                same = not have.get(field)
-            if not same:
-                drift.append(f"{want['name']}.{field}")
-    drift += [f"{name} (added)" for name in by_name.keys() - {c["name"] for c in applied["spec"]["template"]["spec"]["containers"]}]
-    return drift
-
-
-def slim_containers(containers: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """What the Deployments index keeps of each container: its name and DRIFT_FIELDS."""
-    return [{k: c[k] for k in ("name", *DRIFT_FIELDS) if k in c} for c in containers]
 
 
 # ------------------------------------------------------------------------ traffic
