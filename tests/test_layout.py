@@ -200,3 +200,100 @@ def test_help_works_with_the_base_install(tmp_path, argv):
     proc = kiln_without("*", *argv, cwd=tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.startswith(f"usage: kiln {' '.join(argv[:-1])}".rstrip())
+
+
+# ------------------------------------------------------------------------ the runtime's rooms
+
+RUNTIME = REPO / "runtime"
+# Who may import whom, by room: a room imports only the rooms listed for it (and itself).
+ROOMS_MAY_IMPORT = {
+    "api": set(),
+    "engine": {"api"},
+    "serving": {"api", "engine"},
+    "commands": {"api", "engine", "serving"},
+}
+# The largest a runtime file may grow (generated stubs aside): past it, split along its rulers.
+MAX_RUNTIME_FILE_LINES = 425
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return "kiln." + ".".join(parts)
+
+
+def _runtime_files() -> list[Path]:
+    return sorted(p for p in RUNTIME.rglob("*.py") if not p.name.endswith("_pb2.py"))
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The modules a file imports when it is imported: module-level statements only, not
+    those under `if TYPE_CHECKING:` or inside functions (imported when they run)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                break
+            if isinstance(sub, ast.Import):
+                found |= {a.name for a in sub.names}
+            elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+                found.add(sub.module)
+                found |= {f"{sub.module}.{a.name}" for a in sub.names}
+    return found
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["kiln", "runtime"] else None
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    for path in _runtime_files():
+        room = _room(_module_of(path))
+        if room is None:
+            continue
+        used = {_room(m) for m in _imports(path)} - {None, room}
+        assert used <= ROOMS_MAY_IMPORT[room], f"{path.relative_to(REPO)} ({room}/) imports {sorted(used)}"
+
+
+def test_transports_never_import_each_other():
+    for mine, theirs in (("rest", "grpc"), ("grpc", "rest")):
+        for path in sorted((RUNTIME / "serving" / mine).rglob("*.py")):
+            bad = {m for m in _imports(path) if m.startswith(f"kiln.runtime.serving.{theirs}")}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_the_dataplane_and_sequences_know_no_transport():
+    transport = ("aiohttp", "grpc", "google.protobuf", "kiln.runtime.serving.rest",
+                 "kiln.runtime.serving.grpc")
+    paths = [RUNTIME / "serving" / "dataplane.py", RUNTIME / "serving" / "refusals.py",
+             *sorted((RUNTIME / "serving" / "sequences").rglob("*.py"))]
+    for path in paths:
+        bad = {m for m in _imports(path) if m.startswith(transport)}
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_no_runtime_file_outgrows_one_concern():
+    for path in _runtime_files():
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_RUNTIME_FILE_LINES, f"{path.relative_to(REPO)} has {lines} lines"
+
+
+def test_no_import_circles_in_the_runtime():
+    modules = {_module_of(p): p for p in _runtime_files()}
+    graph = {m: {i for i in _top_level_imports(p) if i in modules and i != m} for m, p in modules.items()}
+    state: dict[str, str] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = "open"
+        for child in sorted(graph[module]):
+            assert state.get(child) != "open", "import circle: " + " -> ".join([*trail, module, child])
+            if child not in state:
+                visit(child, [*trail, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])

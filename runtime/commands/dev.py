@@ -63,7 +63,7 @@ def resolve_model_uri(uri: str, base_dir: str | os.PathLike) -> str:
 
 def example_request(inputs, profiles) -> dict[str, Any]:
     """A one-row request with the model's real input names, datatypes and shapes."""
-    from kiln.runtime.serving.model import warmup_inputs
+    from kiln.runtime.serving.loading import warmup_inputs
 
     sample = warmup_inputs(inputs, profiles, max_batch=1)
     return {"inputs": [{"name": s.name, "shape": list(sample[s.name].shape),

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serving.workers.front_end import FrontEndConfig
     from kiln.runtime.serving.workers.supervisor import FrontEnds, cpu_limit, parse_workers
     from kiln.runtime.serving.metrics import ServerMetrics
-    from kiln.runtime.serving.model import ServedModel, parse_engines
+    from kiln.runtime.serving.loading import parse_engines
+    from kiln.runtime.serving.model import ServedModel
     from kiln.runtime.serving.process import configure_logging, event_loop_choice, run_event_loop, run_until_stopped
     from kiln.runtime.serving.servers import InferenceServer
 

@@ -286,7 +286,7 @@ def _load_check(backend, entry, clock: Callable[[], float], log: Log,
     try:
         engine.create_context().close()
         if sequence_states:
-            from kiln.runtime.serving.sequences.spec import check_pairs
+            from kiln.runtime.engine.states import check_pairs
 
             inputs = list(engine.inputs) + list(getattr(engine, "defaults", ()))
             problems = check_pairs(sequence_states, inputs, engine.outputs)

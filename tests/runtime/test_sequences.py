@@ -34,7 +34,8 @@ from kiln.runtime.serving.sequences.codec import (TOKEN_BYTES, TOKEN_OFFSET, Cor
 from kiln.runtime.serving.sequences.manager import SequenceManager
 from kiln.runtime.serving.sequences.params import (MAX_TENANT_BYTES, SequenceError, SequenceParams,
                                                    parse_parameters, tenant_hash, tenant_of)
-from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec, check_pairs
+from kiln.runtime.engine.states import check_pairs
+from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec
 from support.sequence_models import (AR_STATES, RNN_STATES, RedisServer, autoregressive_model,
                                      redis_server_binary, reference_autoregressive, rnn_model)
 

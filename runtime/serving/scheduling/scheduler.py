@@ -90,7 +90,7 @@ class Scheduler:
         self._batch_requests = self.batching.enabled and self._batchable
         self.pool = ContextPool(engine, spec["contextsPerGPU"], metrics, model,
                                 version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
-        self.cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
+        self.result_cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
                                   model=model, clock=clock) if cache_config.enabled else None)
 
         self._m_queue_seconds = metrics.queue_seconds.labels(model)
@@ -174,9 +174,9 @@ class Scheduler:
         """Run one request (its own batch of rows in dimension 0) and return its outputs."""
         rows = self._validate(inputs)
         key = None
-        if self.cache is not None:
+        if self.result_cache is not None:
             key = ResultCache.key(self.engine_key, inputs)
-            hit = self.cache.get(key)
+            hit = self.result_cache.get(key)
             if hit is not None:
                 return hit
         if not self._started:
@@ -205,7 +205,7 @@ class Scheduler:
         finally:
             self._inflight -= 1
         if key is not None:
-            self.cache.put(key, outputs)
+            self.result_cache.put(key, outputs)
         return outputs
 
     @property

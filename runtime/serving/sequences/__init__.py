@@ -19,8 +19,8 @@ ask for them.
 
 The parts, pure where they can be (each module imports only those above it):
 - `spec`: `SequenceSpec`, `spec.runtime.sequences` parsed (the CRD's defaults applied
-  before), and `check_pairs`, each state input/output pair against the model's tensors
-  (dtype, shape).
+  before); each state input/output pair is checked against the engine's tensors (dtype,
+  shape) by `engine.states.check_pairs`, at build and at load.
 - `params`: a request's sequence parameters and its tenant, and `SequenceError`.
 - `codec`: a state as one blob (`encode_state`, `decode_state`) with its token, the
   sequence's incarnation and step.

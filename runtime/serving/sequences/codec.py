@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.serving.tensors import datatype_of
-from kiln.runtime.serving.sequences.spec import describe_tensor
+from kiln.runtime.engine.states import describe_tensor
 
 
 class CorruptState(Exception):

@@ -23,7 +23,8 @@ from kiln.runtime.serving.sequences.codec import (CorruptState, StoredState, dec
                                                   encode_state, misfit)
 from kiln.runtime.serving.sequences.params import (SequenceError, SequenceParams,
                                                    parse_parameters, tenant_hash)
-from kiln.runtime.serving.sequences.spec import SequenceSpec, check_pairs
+from kiln.runtime.engine.states import check_pairs
+from kiln.runtime.serving.sequences.spec import SequenceSpec
 from kiln.runtime.serving.sequences.stores import (CONFLICT, MISSING, SequenceStore, StoreFull,
                                                    StoreUnavailable)
 

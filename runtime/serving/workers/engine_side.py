@@ -45,7 +45,7 @@ def _join_rows(model: ServedModel) -> int | None:
     batches requests anyway, no result cache looks at each one, and no request carries a
     sequence's state."""
     scheduler = model.scheduler
-    if (scheduler is None or not scheduler.batches_requests or scheduler.cache is not None
+    if (scheduler is None or not scheduler.batches_requests or scheduler.result_cache is not None
             or model.sequences is not None):
         return None
     return scheduler.max_rows

@@ -43,7 +43,7 @@ class EngineGone(ShuttingDown):
         super().__init__(1.0, message)
 
 
-class _Slots:
+class _SharedMemorySlots:
     """This front end's shared memory, cut into SLOTS equal slots."""
 
     def __init__(self, count: int = SLOTS, size: int = SLOT_BYTES):
@@ -69,7 +69,7 @@ class EngineLink:
     """A front end's connection to the engine: sends requests, matches answers."""
 
     def __init__(self):
-        self.slots = _Slots()
+        self.slots = _SharedMemorySlots()
         self.state: dict[str, dict[str, Any]] = {}
         self.connected = asyncio.Event()
         self.lost = asyncio.Event()
