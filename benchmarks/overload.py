@@ -48,7 +48,7 @@ LIVE_TARGET_MS = 100.0
 BIG_BODY_BYTES = 60_000_000
 MAX_BODY = 128 * 1024 * 1024
 PROBE_EVERY = 0.010
-PROBE_TIMEOUT = 10.0  # seconds (the runtime pods' probes time out after 2 s: operator/builders.py)
+PROBE_TIMEOUT = 10.0  # seconds (the runtime pods' probes time out after 2 s: operator/manifests.py)
 
 
 

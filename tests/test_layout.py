@@ -35,16 +35,19 @@ OPERATOR_MAY_IMPORT = "kiln.runtime.api"
 STEP_MODULES = ("reconcile", "steps", "engines", "scaling", "rollout", "serving")
 
 
+def _named(node: ast.AST) -> set[str]:
+    """The modules one import statement names (`from kiln.runtime.api import spec` names
+    kiln.runtime.api and kiln.runtime.api.spec); nothing for other nodes."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return set()
+
+
 def _imports(path: Path) -> set[str]:
-    """Every module a file imports (`from kiln.runtime import spec` counts as kiln.runtime.api.spec)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}
-    return found
+    """Every module a file imports, wherever the statement is."""
+    return set().union(*map(_named, ast.walk(ast.parse(path.read_text()))))
 
 
 def _string_constants(path: Path) -> set[str]:
@@ -233,14 +236,8 @@ def _top_level_imports(path: Path) -> set[str]:
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             continue
-        for sub in ast.walk(node):
-            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                break
-            if isinstance(sub, ast.Import):
-                found |= {a.name for a in sub.names}
-            elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
-                found.add(sub.module)
-                found |= {f"{sub.module}.{a.name}" for a in sub.names}
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found |= set().union(*map(_named, ast.walk(node)))
     return found
 
 

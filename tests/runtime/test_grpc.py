@@ -22,6 +22,7 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from support.metrics import wait_for_metric  # noqa: E402
+from support.triton import triton_inputs
 from support.serving import NAME, Built, ServerThread, assert_matches, json_inputs, sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,16 +44,6 @@ def server(built):
 
 def client(srv: ServerThread) -> "tritonclient.InferenceServerClient":
     return tritonclient.InferenceServerClient(srv.server.grpc_address)
-
-
-def triton_inputs(inputs: dict[str, np.ndarray]) -> list:
-    out = []
-    for name, array in inputs.items():
-        i = tritonclient.InferInput(name, list(array.shape),
-                                    {np.float32: "FP32", np.int64: "INT64"}[array.dtype.type])
-        i.set_data_from_numpy(array)
-        out.append(i)
-    return out
 
 
 def infer(srv: ServerThread, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,

@@ -34,7 +34,9 @@ tritonclient = pytest.importorskip("tritonclient.grpc")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from support.sequence_models import RNN_STATES, RedisServer, redis_server_binary, rnn_model  # noqa: E402
+from support.sequence_models import (RNN_STATES, RedisServer, build_engine_for,  # noqa: E402
+                                     redis_server_binary, rnn_model)
+from support.triton import triton_inputs  # noqa: E402
 from support.serving import NAME, Built, assert_matches, sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,18 +48,6 @@ SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 
 # -- engines, servers, a stream ----------------------------------------------------------
 
-def build(root: Path, name: str, onnx_bytes: bytes, states=None) -> str:
-    from kiln.runtime.engine.build import BuildRequest, build_engine
-
-    (root / f"{name}.onnx").write_bytes(onnx_bytes)
-    request = BuildRequest.from_dict({
-        "namespace": "default", "name": name,
-        "model": {"uri": (root / f"{name}.onnx").as_uri(), "version": "1"},
-        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu",
-        "sequenceStates": states})
-    return build_engine(request, root / "cache", allow_local_files=True).path
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Built:
     return Built(tmp_path_factory.mktemp("stream"))
@@ -66,8 +56,8 @@ def built(tmp_path_factory) -> Built:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, matmul_onnx):
     root = tmp_path_factory.mktemp("stream-engines")
-    return root, {"rnn": build(root, "rnn", rnn_model(), RNN_STATES),
-                  "matmul": build(root, "matmul", matmul_onnx)}
+    return root, {"rnn": build_engine_for(root, "rnn", rnn_model(), RNN_STATES).path,
+                  "matmul": build_engine_for(root, "matmul", matmul_onnx).path}
 
 
 class Kiln:
@@ -124,16 +114,6 @@ class Stream:
     def close(self, cancel: bool = False) -> None:
         self.client.stop_stream(cancel_requests=cancel)
         self.client.close()
-
-
-def triton_inputs(inputs: dict[str, np.ndarray]) -> list:
-    out = []
-    for name, array in inputs.items():
-        i = tritonclient.InferInput(name, list(array.shape),
-                                    {np.float32: "FP32", np.int64: "INT64"}[array.dtype.type])
-        i.set_data_from_numpy(array)
-        out.append(i)
-    return out
 
 
 def outputs(result) -> dict[str, np.ndarray]:

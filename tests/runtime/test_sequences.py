@@ -37,7 +37,8 @@ from kiln.runtime.serving.sequences.params import (MAX_TENANT_BYTES, SequenceErr
 from kiln.runtime.engine.states import check_pairs
 from kiln.runtime.serving.sequences.spec import SequenceSpec, StoreSpec
 from support.sequence_models import (AR_STATES, RNN_STATES, RedisServer, autoregressive_model,
-                                     redis_server_binary, reference_autoregressive, rnn_model)
+                                     build_engine_for, redis_server_binary,
+                                     reference_autoregressive, rnn_model)
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="needs redis-server (make redis)")
@@ -528,30 +529,18 @@ async def test_redis_down_is_503_within_the_timeout(redis_server):
 
 # ------------------------------------------------------------------ the server, real models
 
-def build(root: Path, name: str, onnx_bytes: bytes, states=None):
-    from kiln.runtime.engine.build import BuildRequest, build_engine
-
-    (root / f"{name}.onnx").write_bytes(onnx_bytes)
-    request = BuildRequest.from_dict({
-        "namespace": "default", "name": name,
-        "model": {"uri": (root / f"{name}.onnx").as_uri(), "version": "1"},
-        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu",
-        "sequenceStates": states})
-    return build_engine(request, root / "cache", allow_local_files=True)
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("seq-engines")
-    return root, {"ar": build(root, "ar", autoregressive_model(), AR_STATES).path,
-                  "rnn": build(root, "rnn", rnn_model(), RNN_STATES).path}
+    return root, {"ar": build_engine_for(root, "ar", autoregressive_model(), AR_STATES).path,
+                  "rnn": build_engine_for(root, "rnn", rnn_model(), RNN_STATES).path}
 
 
 def test_kiln_build_checks_the_pairs(tmp_path):
     from kiln.runtime.api.errors import BadRequest
 
     with pytest.raises(BadRequest) as e:
-        build(tmp_path, "ar", autoregressive_model(), [{"input": "past", "output": "logits"}])
+        build_engine_for(tmp_path, "ar", autoregressive_model(), [{"input": "past", "output": "logits"}])
     assert str(e.value) == (
         "spec.runtime.sequences.states[0]: input 'past' (FP32 [1, 16]) and output 'logits' "
         "(FP32 [1, 11]) differ in dimension 1 (16 vs 11): the output becomes the next "
@@ -738,7 +727,7 @@ def test_the_models_declared_initial_state_starts_the_sequence(tmp_path):
     import onnxruntime as ort
 
     onnx_bytes = rnn_model(initial_h=0.25)
-    rel = build(tmp_path, "rnn", onnx_bytes, RNN_STATES).path
+    rel = build_engine_for(tmp_path, "rnn", onnx_bytes, RNN_STATES).path
     served = Served(tmp_path, "rnn", rel, {"sequences": {"states": RNN_STATES}})
     try:
         assert [i["name"] for i in get(served.port, "/v2/models/rnn")[1]["inputs"]] == ["x"]

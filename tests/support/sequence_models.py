@@ -7,6 +7,7 @@ their state in.
   `next_token` = argmax(logits) [1, 1] INT64: one token per step, fed back as the next input.
 - `rnn_model(D, H)`: `x` [1, D] and `h` [1, H] -> `h_next` = tanh(x @ W + h @ U) [1, H],
   `y` = h_next @ V [1, 4].
+- `build_engine_for(root, name, onnx, states)`: such a model built for the CPU into root/cache.
 - `RedisServer`: Debian's `redis-server` on a free loopback port, no persistence, in a
   temporary directory; stopped (and restartable on the same port) by the test.
 """
@@ -23,6 +24,20 @@ import numpy as np
 
 AR_STATES = [{"input": "past", "output": "present"}]
 RNN_STATES = [{"input": "h", "output": "h_next"}]
+
+
+def build_engine_for(root: Path, name: str, onnx_bytes: bytes, states=None):
+    """`onnx_bytes` built for the CPU into root/cache (with its sequence state pairs, if any);
+    the BuildResult."""
+    from kiln.runtime.engine.build import BuildRequest, build_engine
+
+    (root / f"{name}.onnx").write_bytes(onnx_bytes)
+    request = BuildRequest.from_dict({
+        "namespace": "default", "name": name,
+        "model": {"uri": (root / f"{name}.onnx").as_uri(), "version": "1"},
+        "engine": {"backend": "onnxruntime", "precision": "fp32"}, "target": "cpu",
+        "sequenceStates": states})
+    return build_engine(request, root / "cache", allow_local_files=True)
 
 
 def _model(graph):

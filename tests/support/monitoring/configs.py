@@ -15,7 +15,7 @@ from typing import Any, Mapping
 KILN_MATCHER = 'kiln_autoscaling="true"'
 KILN_GROUP_BY = ["namespace", "model", "alertname"]
 
-# Pod annotations the runtime Deployment carries (operator/builders.py), as service
+# Pod annotations the runtime Deployment carries (operator/manifests.py), as service
 # discovery spells them in meta labels.
 _ANNOTATION = "__meta_kubernetes_pod_annotation_prometheus_io_"
 
