@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from kiln.runtime.api.contract import API_VERSION, CACHE_DIR as DEFAULT_CACHE_DIR, KIND, SERVICE_PORT as DEFAULT_PORT
+from kiln.runtime.api.contract import CACHE_DIR as DEFAULT_CACHE_DIR, SERVICE_PORT as DEFAULT_PORT
 from kiln.runtime.api.contract import GRPC_PORT as DEFAULT_GRPC_PORT
 from kiln.runtime.api.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 DEFAULT_DRAIN_SECONDS = 30.0
@@ -95,7 +95,7 @@ def grpc_port(args: argparse.Namespace, default: int = DEFAULT_GRPC_PORT) -> int
     return port
 
 
-def runtime_spec_with_defaults(text: str, model_name: str) -> dict:
+def runtime_spec_with_defaults(text: str) -> dict:
     """`--runtime-spec` JSON -> spec.runtime with the CRD's defaults applied.
 
     The API server applied them already; applying them again costs nothing and keeps a
@@ -111,9 +111,7 @@ def runtime_spec_with_defaults(text: str, model_name: str) -> dict:
         raise ValueError(f"--runtime-spec is not valid JSON: {e}") from None
     if not isinstance(runtime, dict):
         raise ValueError("--runtime-spec must be a JSON object (spec.runtime)")
-    obj = {"apiVersion": API_VERSION, "kind": KIND,
-           "metadata": {"name": model_name}, "spec": {"runtime": runtime}}
-    return dict(spec.apply_defaults(obj).get("spec", {}).get("runtime") or runtime)
+    return spec.runtime_with_defaults(runtime)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
         engines = parse_engines(args.engine)
-        runtime = runtime_spec_with_defaults(args.runtime_spec, args.model_name)
+        runtime = runtime_spec_with_defaults(args.runtime_spec)
         event_loop = event_loop_choice()
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")

@@ -76,7 +76,7 @@ class Dataplane:
         self.max_request_bytes = max_request_bytes
         self._clock = clock
         self._request_bounds: dict[str, tuple[int, str]] = {}
-        self.draining = False
+        self.drain_started = asyncio.Event()  # set once: new work is refused from then on
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -98,7 +98,7 @@ class Dataplane:
     async def drain(self, drain_seconds: float) -> bool:
         """Refuse new work, let in-flight requests finish (up to the timeout), then close
         the models with what is left of it. True when every request finished in time."""
-        self.draining = True
+        self.stop_taking_work()
         deadline = self._clock() + max(0.0, drain_seconds)
         log.info("draining: %d request(s) in flight, up to %.0fs", self._inflight,
                  drain_seconds)
@@ -115,6 +115,15 @@ class Dataplane:
         for model in self.models.values():
             await model.close(max(0.0, deadline - self._clock()))
         return drained
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_started.is_set()
+
+    def stop_taking_work(self) -> None:
+        """Refuse new requests from now on (drain() does; the engine process does it
+        first while its front ends drain)."""
+        self.drain_started.set()
 
     # -- models and readiness ----------------------------------------------------------
 

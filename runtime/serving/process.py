@@ -95,7 +95,7 @@ async def run_until_stopped(server: "InferenceServer", host: str, port: int,
             task.cancel()
         if front_ends is not None:
             started = time.monotonic()
-            server.dataplane.draining = True  # gRPC here refuses new work while the workers drain
+            server.dataplane.stop_taking_work()  # gRPC here refuses new work while the workers drain
             await front_ends.stop(drain_seconds)
             drain_seconds = max(0.0, drain_seconds - (time.monotonic() - started))
         return await server.shutdown(drain_seconds)

@@ -265,7 +265,7 @@ def test_steps_of_a_sequence_run_in_order_and_the_rest_concurrently():
     async def start():
         server = grpc.aio.server()
         handler = grpc.stream_stream_rpc_method_handler(
-            ModelStreamInfer(later_steps_are_faster, lambda: False).handle,
+            ModelStreamInfer(later_steps_are_faster, asyncio.Event()).handle,
             response_serializer=lambda message: message.SerializeToString())
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
             "inference.GRPCInferenceService", {"ModelStreamInfer": handler})])

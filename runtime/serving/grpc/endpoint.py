@@ -138,7 +138,7 @@ class GrpcEndpoint:
         for method in service.methods:
             if method.client_streaming:
                 methods[method.name] = grpc.stream_stream_rpc_method_handler(
-                    ModelStreamInfer(self.infer_message, lambda: self.dataplane.draining).handle,
+                    ModelStreamInfer(self.infer_message, self.dataplane.drain_started).handle,
                     response_serializer=lambda message: message.SerializeToString())
                 continue
             methods[method.name] = grpc.unary_unary_rpc_method_handler(

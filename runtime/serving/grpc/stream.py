@@ -39,9 +39,6 @@ log = logging.getLogger("kiln.runtime.grpc")
 
 # Unanswered requests one stream may hold; the next message is read once one is answered.
 MAX_IN_FLIGHT = 64
-# How often the server's draining flag is looked at (it has no event to wait on); one
-# watcher serves every stream.
-_DRAIN_POLL_SECONDS = 0.05
 DRAINING_MESSAGE = "the server is shutting down; reconnect to another replica"
 
 Metadata = Iterable[tuple[str, str]]
@@ -74,13 +71,12 @@ class ModelStreamInfer:
     (a coroutine function, so grpc.aio writes with context.write), one instance for every
     stream, each call's state its own `_Stream`."""
 
-    def __init__(self, infer_message: InferMessage, draining: Callable[[], bool],
+    def __init__(self, infer_message: InferMessage, draining: asyncio.Event,
                  max_in_flight: int = MAX_IN_FLIGHT):
+        """`draining`: set when the server starts to drain (the dataplane's)."""
         self._infer_message = infer_message
         self._draining = draining
         self._max_in_flight = max_in_flight
-        self._drain_started: asyncio.Event | None = None
-        self._drain_watcher: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     async def handle(self, requests: AsyncIterator[bytes],
                      context: grpc.aio.ServicerContext) -> None:
@@ -88,7 +84,7 @@ class ModelStreamInfer:
                          self._max_in_flight)
         writer = asyncio.create_task(stream.write_answers(context), name="stream answers")
         try:
-            cut_by_drain = await stream.read_all(requests, self._drain())
+            cut_by_drain = await stream.read_all(requests, self._draining)
             await stream.finish(writer)
         finally:
             # Normally nothing is left; when the client went away (this task cancelled),
@@ -96,19 +92,6 @@ class ModelStreamInfer:
             await stream.cancel(writer)
         if cut_by_drain:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
-
-    def _drain(self) -> asyncio.Event:
-        """Set once the server drains; its watcher starts with the first stream."""
-        if self._drain_started is None:
-            self._drain_started = asyncio.Event()
-            self._drain_watcher = asyncio.create_task(
-                self._watch_draining(self._drain_started), name="stream drain watcher")
-        return self._drain_started
-
-    async def _watch_draining(self, started: asyncio.Event) -> None:
-        while not self._draining():
-            await asyncio.sleep(_DRAIN_POLL_SECONDS)
-        started.set()
 
 
 class _Stream:
