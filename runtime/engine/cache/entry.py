@@ -1,5 +1,5 @@
 """One cache entry: its manifest, its paths, and the checks that open it (see the package's
-docstring for the layout). Every check of an entry lives in _open_entry."""
+docstring for the layout). Every check of an entry lives in open_entry."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ class LoadTimings:
     verify_seconds: float
 
 
-def _component(value: str, what: str) -> str:
+def path_component(value: str, what: str) -> str:
     if (not isinstance(value, str) or not value or value in (".", "..") or value.startswith(".")
             or "/" in value or "\\" in value or "\0" in value):
         raise ValueError(f"invalid {what} {value!r} for a cache path: use a plain name "
@@ -143,8 +143,8 @@ def _component(value: str, what: str) -> str:
 
 def relative_path(namespace: str, model: str, key: str) -> str:
     """The entry's path below the cache root: what the operator passes to pods."""
-    return "/".join((_component(namespace, "namespace"), _component(model, "model name"),
-                     _component(key, "engine key")))
+    return "/".join((path_component(namespace, "namespace"), path_component(model, "model name"),
+                     path_component(key, "engine key")))
 
 
 def entry_dir(root: str | os.PathLike, namespace: str, model: str, key: str) -> Path:
@@ -220,7 +220,7 @@ def _manifest_at(dir_fd: int, directory: Path) -> Manifest | None:
         raise CacheError(f"{path}: {e}") from e
 
 
-def _read_manifest(directory: Path) -> Manifest | None:
+def read_entry_manifest(directory: Path) -> Manifest | None:
     dir_fd = _open_dir(directory)
     if dir_fd is None:
         return None
@@ -230,7 +230,7 @@ def _read_manifest(directory: Path) -> Manifest | None:
         os.close(dir_fd)
 
 
-def _open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int] | None:
+def open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int] | None:
     """(manifest, engine path, engine fd, size) of a complete entry, None when there is none.
 
     Every check of an entry lives here: the manifest names this directory's key and a
@@ -251,7 +251,7 @@ def _open_entry(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int] | N
                 f"{directory.name}; refusing it")
         name = manifest.engine_file
         try:
-            plain = _component(name, "engine file name") != MANIFEST
+            plain = path_component(name, "engine file name") != MANIFEST
         except ValueError:  # '..', a path, an absolute path
             plain = False
         if not plain:
@@ -289,7 +289,7 @@ def lookup(root: str | os.PathLike, namespace: str, model: str, key: str) -> Man
     Cheap: checks the engine file's size, not its digest (read_verified does that).
     Raises CacheError (CacheIntegrityError) for an entry that exists but is not sound.
     """
-    opened = _open_entry(entry_dir(root, namespace, model, key))
+    opened = open_entry(entry_dir(root, namespace, model, key))
     if opened is None:
         return None
     manifest, _, fd, _ = opened

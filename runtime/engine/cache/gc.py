@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from kiln.runtime.engine.cache.entry import CacheError, _read_manifest
+from kiln.runtime.engine.cache.entry import CacheError, read_entry_manifest
 from kiln.runtime.engine.cache.publish import QUARANTINE_PREFIX, TMP_PREFIX
 
 TRASH_PREFIX = ".trash-"  # an entry GC renamed away before deleting it
@@ -71,7 +71,7 @@ def collect_garbage(root: str | os.PathLike, in_use: Iterable[str | tuple[str, s
                 if d.name in keys or (ns_dir.name, model_dir.name, d.name) in triples:
                     continue
                 try:
-                    manifest = _read_manifest(d)
+                    manifest = read_entry_manifest(d)
                 except CacheError:
                     manifest = None
                 if manifest is None:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kiln.runtime.engine.cache.entry import (CHUNK_HASH, MANIFEST, CacheError, Manifest,
-                                             _component, entry_dir, lookup)
-from kiln.runtime.engine.cache.verify import DIGEST_CHUNK_BYTES, _digests
+                                             path_component, entry_dir, lookup)
+from kiln.runtime.engine.cache.verify import DIGEST_CHUNK_BYTES, compute_digests
 
 TMP_PREFIX = ".tmp-"  # a publish in progress (or a crashed one)
 QUARANTINE_PREFIX = ".quarantine-"  # a corrupt entry a build moved aside (GC removes it later)
@@ -62,7 +62,7 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
     stays, ours is discarded, and the existing manifest is returned: keys are immutable.
     `inputs` is `KeyInputs.to_dict()`; it must hash to `key`.
     """
-    _component(engine_file, "engine file name")
+    path_component(engine_file, "engine file name")
     if engine_file == MANIFEST:
         raise ValueError(f"engine file may not be named {MANIFEST}")
     if _key_of(inputs) != key:
@@ -75,7 +75,7 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
     view = memoryview(engine).cast("B")
-    whole, chunks = _digests(view, chunk_bytes)
+    whole, chunks = compute_digests(view, chunk_bytes)
     manifest = Manifest(
         key=key, inputs=json.loads(json.dumps(dict(inputs))), engine_file=engine_file,
         sha256=whole, size_bytes=view.nbytes, backend=backend,

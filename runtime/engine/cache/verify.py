@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from kiln.runtime.engine.cache.entry import (CHUNK_FIELDS, CHUNK_HASH, CHUNK_HASHES, MANIFEST,
                                              CacheError, CacheIntegrityError, LoadTimings,
-                                             Manifest, _open_entry)
+                                             Manifest, open_entry)
 
 CHUNK_BYTES = 16 << 20  # a read call: large enough to amortize syscalls
 # Each DIGEST_CHUNK_BYTES piece of an engine has its own sha256 in the manifest, so pieces
@@ -31,7 +31,7 @@ def _verify_threads(chunks: int) -> int:
     return max(1, min(max(cpus, 2), MAX_VERIFY_THREADS, chunks))
 
 
-def _digests(view: memoryview, chunk_bytes: int) -> tuple[str, tuple[str, ...]]:
+def compute_digests(view: memoryview, chunk_bytes: int) -> tuple[str, tuple[str, ...]]:
     """The whole buffer's sha256 and each chunk's CHUNK_HASH digest, on a few threads (both
     hashes release the GIL on large buffers): the whole digest on one, the chunks on the
     others."""
@@ -81,7 +81,7 @@ def _grew(fd: int, size: int) -> bool:
 
 
 def _open_published(entry: str | os.PathLike) -> tuple[Manifest, Path, int, int]:
-    opened = _open_entry(entry)
+    opened = open_entry(entry)
     if opened is None:
         raise CacheError(f"{entry}: not a published cache entry (no {MANIFEST})")
     return opened
