@@ -127,11 +127,8 @@ def test_front_ends_answer_as_the_single_process_does(built, tmp_path, kiln_proc
         assert status == 200 and meta["platform"] == "onnxruntime"
         assert [i["name"] for i in meta["inputs"]] == ["features", "token_ids"]
         # Request metrics are the engine's, front ends' outcomes included.
-        deadline = time.monotonic() + 5
-        while client.metric("kiln_requests_total", model=NAME, outcome="success") != 200:
-            assert time.monotonic() < deadline, client.metric("kiln_requests_total", model=NAME,
-                                                              outcome="success")
-            time.sleep(0.1)
+        wait_for_metric(f"http://127.0.0.1:{client.port}", "kiln_requests_total",
+                        {"model": NAME, "outcome": "success"}, lambda n: n == 200, timeout=5)
         assert client.metric("kiln_batch_size_count", model=NAME) >= 1
         bad = [{"inputs": [{"name": "features", "shape": [1, 5], "datatype": "FP32",
                             "data": [0.0] * 5}]},
