@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
+
 # Retry-After (seconds) while a model loads, is unhealthy, or the server drains.
 NOT_READY_RETRY_AFTER = 5
 # Error messages are cut to this: what a client sent is never echoed back whole.
@@ -81,9 +83,6 @@ def overloaded(model: str, why: str, retry_after: float) -> Refusal:
 def scheduler_refusal(model: str, e: Exception) -> Refusal:
     """A scheduler's refusal (raised by `model`'s scheduler, or by the engine process's
     for a front end) as the Refusal every door answers."""
-    from kiln.runtime.serving.scheduling.errors import (ExecutionFailed, InvalidBatch, Overloaded,
-                                                        ShuttingDown)
-
     if isinstance(e, InvalidBatch):
         return Refusal(Kind.INVALID, str(e))
     if isinstance(e, ShuttingDown):

@@ -10,25 +10,19 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
 from support import kubeemu
+from support.localcluster import client
 from support.monitoring.process import free_port
 
 
 def wait_for(what: Callable[[], Any], timeout: float = 15, message: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = what()
-        if last:
-            return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {message or what}: last={last!r}")
+    """`support.localcluster.client.wait_for` at the emulator's pace (it answers at once)."""
+    return client.wait_for(what, timeout, message or str(what), interval=0.05)
 
 
 class Api:
