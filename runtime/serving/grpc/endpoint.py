@@ -216,8 +216,7 @@ def _parameters(params) -> dict[str, Any]:
 
 
 def _tensor_metadata(spec: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
-    return pb.ModelMetadataResponse.TensorMetadata(name=spec.name, datatype=spec.datatype,
-                                                   shape=list(spec.shape))
+    return pb.ModelMetadataResponse.TensorMetadata(**tensors.tensor_metadata(spec))
 
 
 # -- the encoding: protobuf <-> numpy, the checks tensors' ---------------------------------
