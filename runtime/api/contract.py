@@ -56,6 +56,8 @@ GRPC_PORT = 8081
 FRONT_END_SHM_BYTES = 32 * 1024 * 1024
 MAX_FRONT_END_WORKERS = 64
 MAX_AUTO_FRONT_END_WORKERS = 16
+# spec.runtime.engineProcesses: engine processes of a CPU model's pod, each with its own copy.
+MAX_ENGINE_PROCESSES = 16
 # `kiln serve --load-timeout-seconds`: how long an engine load may take before the model
 # fails (not ready, with the reason); the operator sets it from the startup-probe budget.
 LOAD_TIMEOUT_SECONDS = 600.0

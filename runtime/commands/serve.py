@@ -65,8 +65,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default=os.environ.get("KILN_WORKERS"), metavar="N|auto",
                         help="front-end processes parsing HTTP in parallel before the one engine "
                              "(1: a single process); default: KILN_WORKERS, else "
-                             "spec.runtime.frontendWorkers, else auto (the CPU limit less one, "
-                             "1 below 3 CPUs)")
+                             "spec.runtime.frontendWorkers, else auto (the CPU limit less the "
+                             "engine processes, 1 below 3 CPUs)")
+    parser.add_argument("--engine-processes", default=os.environ.get("KILN_ENGINE_PROCESSES"),
+                        metavar="N|auto",
+                        help="engine processes behind the front ends, each with its own copy of "
+                             "a CPU engine; default: KILN_ENGINE_PROCESSES, else "
+                             "spec.runtime.engineProcesses, else auto (one per 4 CPUs for a "
+                             "small CPU engine, else 1)")
 
 
 def add_grpc_flags(parser: argparse.ArgumentParser, default: int = DEFAULT_GRPC_PORT) -> None:
@@ -114,9 +120,26 @@ def runtime_spec_with_defaults(text: str) -> dict:
     return spec.runtime_with_defaults(runtime)
 
 
+def engine_threads_setting(runtime: dict, cpus: float | None, workers: int,
+                           engine_count: int) -> int | None:
+    """The ONNX Runtime intra-op threads of each engine process: $KILN_ORT_INTRA_OP_THREADS
+    when set (None here: the backend reads it), else spec.runtime.engineThreads, else
+    derived from the CPU limit (`workers.engines.engine_threads`)."""
+    from kiln.runtime.engine.backends.onnxruntime import THREADS_ENV
+    from kiln.runtime.serving.workers.engines import engine_threads
+
+    if os.environ.get(THREADS_ENV):
+        return None
+    if runtime.get("engineThreads"):
+        return int(runtime["engineThreads"])
+    return engine_threads(cpus, workers, engine_count)
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serving.rest.connections import ConnectionLimits
     from kiln.runtime.serving.workers.front_end import FrontEndConfig
+    from kiln.runtime.serving.workers.engines import (EngineConfig, auto_engine_processes,
+                                                      parse_engine_processes)
     from kiln.runtime.serving.workers.supervisor import FrontEnds, cpu_limit, parse_workers
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.loading import parse_engines
@@ -142,14 +165,27 @@ def run(args: argparse.Namespace) -> int:
         limits = ConnectionLimits(max_connections=args.max_connections,
                                   header_timeout=args.header_timeout_seconds,
                                   keepalive_timeout=args.keepalive_timeout_seconds)
+        cpus = cpu_limit()
+        engine_count = parse_engine_processes(
+            args.engine_processes if args.engine_processes is not None
+            else runtime.get("engineProcesses"),
+            auto_engine_processes(cpus, engines, args.cache_dir), engines)
         workers = parse_workers(args.workers if args.workers is not None
-                                else runtime.get("frontendWorkers"), cpu_limit())
+                                else runtime.get("frontendWorkers"), cpus, engine_count)
+        if workers == 1:
+            engine_count = 1  # a single process: the engine is the front end
+        threads = engine_threads_setting(runtime, cpus, workers, engine_count)
         if not (math.isfinite(args.load_timeout_seconds) and args.load_timeout_seconds > 0):
             raise ValueError(f"--load-timeout-seconds must be a positive number, "
                              f"got {args.load_timeout_seconds:g}")
     except ValueError as e:
         print(f"kiln serve: {e}", file=sys.stderr)
         return 2
+
+    if threads is not None:  # read by the ONNX Runtime backend, here and in every engine process
+        from kiln.runtime.engine.backends.onnxruntime import THREADS_ENV
+
+        os.environ[THREADS_ENV] = str(threads)
 
     async def main() -> None:
         metrics = ServerMetrics()
@@ -159,11 +195,17 @@ def run(args: argparse.Namespace) -> int:
                                  body_timeout=args.body_timeout_seconds, limits=limits)
         front_ends = None
         if workers > 1:
-            front_ends = FrontEnds(workers, args.host, args.port, lambda index, hub, port: FrontEndConfig(
-                index=index, hub_path=hub, host=args.host, port=port, model_names=(model.name,),
-                max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout_seconds,
-                limits=limits, drain_seconds=args.drain_seconds, log_level=args.log_level,
-                event_loop=event_loop))
+            others = [EngineConfig(
+                index=i, hub_path="", model_name=model.name, model_version=model.version,
+                cache_dir=args.cache_dir, engines=engines, runtime=runtime,
+                load_timeout=args.load_timeout_seconds, max_body_bytes=args.max_body_bytes,
+                log_level=args.log_level, event_loop=event_loop) for i in range(1, engine_count)]
+            front_ends = FrontEnds(workers, args.host, args.port, lambda index, hub, batch, port: FrontEndConfig(
+                index=index, hub_path=hub, batch_hub_path=batch, host=args.host, port=port,
+                model_names=(model.name,), max_body_bytes=args.max_body_bytes,
+                body_timeout=args.body_timeout_seconds, limits=limits,
+                drain_seconds=args.drain_seconds, log_level=args.log_level,
+                event_loop=event_loop), engines=others, drain_seconds=args.drain_seconds)
         await run_until_stopped(server, args.host, args.port, args.drain_seconds,
                                 grpc_port=grpc, front_ends=front_ends)
 

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.runtime.serving.workers.engines import (LIGHT_ENGINE_BYTES, auto_engine_processes,
+                                                  engine_threads, merge_metrics,
+                                                  parse_engine_processes)
 from kiln.runtime.serving.workers.supervisor import default_workers, parse_workers
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
@@ -296,3 +299,128 @@ def test_front_ends_still_starting_stop_when_the_engine_is_killed(built, tmp_pat
     p.wait_for(r"front-end worker\(s\) on")  # spawned, still importing: not connected yet
     pids = front_ends(p.proc.pid)
     kill_the_engine_and_see_them_stop(p, pids)
+
+
+# -- engine processes beyond the first (workers.engines) --------------------------------------
+
+def test_engine_processes_and_threads_follow_the_cpus_and_the_engine(tmp_path):
+    light, heavy = tmp_path / "light", tmp_path / "heavy"
+    light.mkdir()
+    heavy.mkdir()
+    (light / "engine.onnx").write_bytes(b"x" * 1000)
+    (heavy / "engine.onnx").write_bytes(b"x" * (LIGHT_ENGINE_BYTES + 1))
+    auto = lambda cpus, engines: auto_engine_processes(cpus, engines, str(tmp_path))  # noqa: E731
+    assert [auto(c, {"cpu": "light"}) for c in (None, 2, 7, 8, 16, 64, 200)] == [1, 1, 1, 2, 4, 16, 16]
+    assert auto(16, {"cpu": "heavy"}) == auto(16, {"cpu": "nowhere"}) == 1
+    assert auto(16, {"cpu": "light", "sm90": "light"}) == 1  # a GPU pod: its memory spent once
+    assert parse_engine_processes("auto", 4, {"cpu": "x"}) == parse_engine_processes(None, 4, {"cpu": "x"}) == 4
+    assert parse_engine_processes("3", 1, {"cpu": "x"}) == 3
+    for bad in ("0", "17", "two", True):
+        with pytest.raises(ValueError, match="engine processes must be a number from 1 to 16 or 'auto'"):
+            parse_engine_processes(bad, 1, {"cpu": "x"})
+    with pytest.raises(ValueError, match="2 engine processes need CPU engines only .* sm90"):
+        parse_engine_processes(2, 1, {"cpu": "x", "sm90": "y"})
+    # Front ends take the CPUs the engine processes leave; engine threads the rest.
+    assert [default_workers(16, e) for e in (1, 4)] == [15, 12]
+    assert [engine_threads(c, w, e) for c, w, e in
+            [(None, 1, 1), (2, 1, 1), (16, 15, 1), (16, 12, 4), (4, 3, 1), (3.5, 2, 1)]] == \
+        [None, 2, 12, 3, 3, 2]
+
+
+def test_metrics_of_several_engine_processes_add_up():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kiln.runtime.serving.metrics import ServerMetrics
+
+    first, second = ServerMetrics(), ServerMetrics()
+    for m, rows, busy, ready in ((first, 8, 3.0, 1), (second, 4, 1.0, 0)):
+        m.batch_size.labels(NAME).observe(rows)
+        m.engine_busy_seconds.labels(NAME, "1").inc(busy)
+        m.model_ready.labels(NAME).set(ready)
+        m.model_info.labels(NAME, "1", "k", "onnxruntime", "cpu").set(1)
+    m.model_info.labels(NAME, "1", "other", "onnxruntime", "cpu").set(1)  # the second's only
+    first.requests.labels(NAME, "success").inc(5)  # front ends tally to the first alone
+    merged = merge_metrics([generate_latest(first.registry), generate_latest(second.registry)], 2)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(merged.decode()) for s in f.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted({"model": NAME, **labels}.items())))]
+
+    assert value("kiln_batch_size_count") == 2
+    assert value("kiln_batch_size_sum") == 12
+    assert value("kiln_batch_size_bucket", le="8.0") == 2
+    assert value("kiln_batch_size_bucket", le="4.0") == 1
+    assert value("kiln_engine_busy_seconds_total", version="1") == 2.0  # (3 + 1) / 2 engines
+    assert value("kiln_model_ready") == 0  # ready when every engine is
+    assert value("kiln_requests_total", outcome="success") == 5
+    info = [k for k in samples if k[0] == "kiln_model_info"]
+    assert [dict(k[1])["engine_key"] for k in info] == ["k"]
+
+
+def test_engine_processes_share_the_front_ends(built, tmp_path, kiln_process):
+    """Two engine processes behind four front ends: every answer right, /metrics adds both
+    engines up, the result cache and readiness are the pod's, a killed second engine is
+    started again (its front ends with it) and the pod answers again; SIGTERM drains all."""
+    p = kiln_process(["serve", "--model-name", NAME, "--cache-dir", str(built.cache),
+                      "--engine", f"cpu={built.rel}", "--runtime-spec", "{}", "--host", "127.0.0.1",
+                      "--port", "0", "--no-grpc", "--workers", "4", "--engine-processes", "2",
+                      "--drain-seconds", "10"], tmp_path)
+    port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
+    p.wait_for(r"2 engine processes")
+    client = ServerThread.__new__(ServerThread)
+    client.port = port
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if client.get("/v2/health/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "\n".join(p.lines)
+            time.sleep(0.05)
+
+    def burst(n: int, seed: int) -> int:
+        def one(i: int) -> int:
+            inputs = sample(1 + i % 3, seed=seed + i)
+            status, _, doc = client.infer({"inputs": json_inputs(inputs)})
+            assert status == 200, doc
+            outputs = {o["name"]: np.asarray(o["data"]).reshape(o["shape"]) for o in doc["outputs"]}
+            expected = built.expected(inputs)
+            assert_matches({k: v.astype(expected[k].dtype) for k, v in outputs.items()}, expected)
+            return 1 + i % 3
+
+        with ThreadPoolExecutor(16) as pool:
+            return sum(pool.map(one, range(n)))
+
+    try:
+        ready()
+        second = int(p.wait_for(r"engine process 1 started \(pid (\d+)\)").group(1))
+        assert len(front_ends(p.proc.pid)) == 5, "4 front ends and a second engine process"
+        warmup = client.metric("kiln_batch_size_sum", model=NAME)
+        rows = burst(300, 0)
+        # The first engine's /metrics counts the rows both engines ran, and every request.
+        wait_for_metric(base, "kiln_batch_size_sum", {"model": NAME}, lambda v: v == warmup + rows)
+        wait_for_metric(base, "kiln_requests_total", {"model": NAME, "outcome": "success"},
+                        lambda n: n == 300)
+        assert client.metric("kiln_model_ready", model=NAME) == 1
+        os.kill(second, signal.SIGKILL)
+        p.wait_for(r"engine process 1 exited \(code -9\); starting it again", timeout=10)
+        p.wait_for(r"engine process 1 started \(pid \d+\)")
+        deadline = time.monotonic() + 60
+        while True:  # its front ends stopped with it, and are back once it has loaded
+            try:
+                burst(40, 1000)
+                break
+            except (AssertionError, OSError):
+                assert time.monotonic() < deadline, "\n".join(p.lines)
+                time.sleep(0.2)
+        burst(100, 2000)
+    finally:
+        assert p.stop() == 0
+    log = "\n".join(p.lines)
+    assert "Traceback" not in log and "Exception ignored" not in log, log

@@ -86,6 +86,8 @@ class LoadedEngine(Protocol):
     # Optional (read with getattr): inputs the engine has a default value for, which it
     # runs without (a stateful model's declared initial state), and those values.
     # defaults: list[TensorSpec]; default_values: Mapping[str, np.ndarray]
+    # contexts_any_thread: bool -- its contexts may run on any thread (ONNX Runtime's are
+    # handles on a thread-safe session; TensorRT's are bound to their CUDA thread).
 
     def create_context(self) -> ExecutionContext: ...
 

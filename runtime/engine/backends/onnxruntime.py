@@ -195,6 +195,8 @@ def _spec(arg) -> TensorSpec:
 
 
 class OrtEngine:
+    contexts_any_thread = True  # an InferenceSession may be run from any thread
+
     def __init__(self, session, profiles: dict[str, ShapeRange]):
         self.session = session
         self.inputs = [_spec(a) for a in session.get_inputs()]

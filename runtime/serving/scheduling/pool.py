@@ -1,7 +1,9 @@
 """A pool of execution contexts over one loaded engine.
 
 Each context has its own worker thread, so batches run concurrently while the event loop
-keeps serving (ONNX Runtime, TensorRT and numpy release the GIL while they compute).
+keeps serving (ONNX Runtime, TensorRT and numpy release the GIL while they compute); a
+batch that takes microseconds, on an engine whose contexts may run on any thread, runs on
+the loop's own thread instead (`INLINE_BATCH_SECONDS`).
 A failed execution closes its context, creates a fresh one from the same loaded engine
 (never reloading the engine) and retries the batch, a bounded number of times. After
 `unhealthy_after` consecutive batches fail every attempt the pool reports unhealthy
@@ -24,6 +26,11 @@ from kiln.runtime.engine.backends.base import ExecutionContext, InvalidInputErro
 from kiln.runtime.serving.metrics import ServerMetrics
 
 MAX_CONTEXTS = 16  # the CRD's bound on runtime.contextsPerGPU
+# A batch expected to take less than this runs on the event loop's own thread, where the
+# engine allows it: handing it to a context's thread and back costs the loop more (a wake-up,
+# a cross-thread callback, the GIL passed twice) than a tiny model's whole execution.
+INLINE_BATCH_SECONDS = 200e-6
+_EWMA = 0.2
 
 
 @dataclass
@@ -78,6 +85,8 @@ class ContextPool:
         self._started = False
         self._closed = False
         self.last_recovery_seconds: float | None = None
+        self._inline_ok = bool(getattr(engine, "contexts_any_thread", False))
+        self._recent_seconds: float | None = None  # EWMA of one execution's wall time
 
     @property
     def healthy(self) -> bool:
@@ -121,15 +130,22 @@ class ContextPool:
         attempt failed."""
         if self._closed:
             raise RuntimeError("context pool is closed")
-        loop = asyncio.get_running_loop()
         started = self._clock()
         try:
-            result = await loop.run_in_executor(slot.executor, self._run_with_retries, slot, inputs)
+            if self._inline_ok and self._recent_seconds is not None and \
+                    self._recent_seconds < INLINE_BATCH_SECONDS:
+                result = self._run_with_retries(slot, inputs)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    slot.executor, self._run_with_retries, slot, inputs)
         except ExecutionError:
             self._consecutive_failures += 1
             raise
         finally:  # failed attempts kept the context busy too
-            self._busy.inc((self._clock() - started) / self.size)
+            seconds = self._clock() - started
+            self._busy.inc(seconds / self.size)
+            self._recent_seconds = seconds if self._recent_seconds is None else (
+                _EWMA * seconds + (1 - _EWMA) * self._recent_seconds)
         self._consecutive_failures = 0
         return result
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kiln.runtime.serving.servers import InferenceServer
 
 _STATE_PERIOD = 0.05
+_PEER_METRICS_TIMEOUT = 2.0
 
 
 def model_state(models: Mapping[str, ServedModel]) -> dict[str, dict[str, Any]]:
@@ -62,6 +63,10 @@ class EngineHub:
         self._listener: asyncio.AbstractServer | None = None
         self._pusher: asyncio.Task | None = None
         self.state: dict[str, dict[str, Any]] = {}
+        # The first engine process's links to the others (workers.engines), whose metrics
+        # its /metrics adds up; `engines` counts them all, connected or not.
+        self.peers: list[Any] = []
+        self.engines = 1
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -70,17 +75,43 @@ class EngineHub:
         self._listener = await loop.create_unix_server(lambda: _EngineSide(self).channel,
                                                         self.path)
         os.chmod(self.path, 0o600)
-        self.state = model_state(self.dataplane.models)
+        self.state = self._state()
         self._pusher = asyncio.create_task(self._push_state(), name="front-end state")
+
+    def _state(self) -> dict[str, dict[str, Any]]:
+        """The models' state; with other engine processes, a model is ready (the pod's
+        probes) only while every engine process is connected and has it ready."""
+        state = model_state(self.dataplane.models)
+        if self.engines > 1:
+            every = len(self.peers) == self.engines - 1
+            for name, s in state.items():
+                s["ready"] = s["ready"] and every and all(
+                    (peer.state.get(name) or {}).get("ready") for peer in self.peers)
+        return state
 
     async def _push_state(self) -> None:
         while True:
             await asyncio.sleep(_STATE_PERIOD)
-            state = model_state(self.dataplane.models)
+            state = self._state()
             if state != self.state:
                 self.state = state
                 for link in list(self._links):
                     link.channel.send(("state", state))
+
+    async def metrics_text(self) -> bytes:
+        """This process's registry, with the other engine processes' added in when there
+        are others (an engine that does not answer in time is left out of this scrape)."""
+        from prometheus_client import generate_latest
+
+        own = generate_latest(self.dataplane.metrics.registry)
+        if not self.peers:
+            return own
+        from kiln.runtime.serving.workers.engines import merge_metrics
+
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(peer.metrics_text(), _PEER_METRICS_TIMEOUT) for peer in self.peers),
+            return_exceptions=True)
+        return merge_metrics([own, *(a for a in answers if isinstance(a, bytes))], self.engines)
 
     async def stop(self) -> None:
         if self._pusher is not None:
@@ -118,10 +149,9 @@ class _EngineSide:
             for name, outcome, seconds in message[1]:
                 self.hub.dataplane.record(name, outcome, seconds)
         elif kind == "metrics":
-            from prometheus_client import generate_latest
-
-            registry = self.hub.dataplane.metrics.registry
-            self.channel.send(("metrics", message[1], generate_latest(registry)))
+            task = asyncio.create_task(self._send_metrics(message[1]))
+            self.tasks[-message[1]] = task  # cancelled with the link (ids of requests are > 0)
+            task.add_done_callback(lambda _: self.tasks.pop(-message[1], None))
         elif kind == "hello":
             # Attached, not created: the segment is the front end's, which unlinks it. (Both use
             # one resource tracker, started by this process, which unlinks what a front end
@@ -149,6 +179,9 @@ class _EngineSide:
         finally:
             self.tasks.pop(rid, None)
         self.channel.send(reply)
+
+    async def _send_metrics(self, rid: int) -> None:
+        self.channel.send(("metrics", rid, await self.hub.metrics_text()))
 
     def _on_lost(self) -> None:
         self.hub._links.discard(self)
