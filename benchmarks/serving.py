@@ -181,14 +181,18 @@ def started(cmd: list[str], ready_url: str, log_path: Path, *, env: dict[str, st
 
 
 @contextmanager
-def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int,
+def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int | None,
             log_dir: Path, spinning: bool | None = None,
             extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
     """`kiln serve` in a subprocess until ready; yields its URL and pid, stops it on exit.
-    `extra_args` go on its command line (e.g. `--max-body-bytes`)."""
+    `threads`: ONNX Runtime's intra-op threads (KILN_ORT_INTRA_OP_THREADS); None: none set,
+    Kiln picks them from the CPUs it has. `extra_args` go on its command line (e.g.
+    `--max-body-bytes`)."""
     port = _free_port()
     log_path = log_dir / f"serve-{model.name}-{port}.log"
-    env = {**os.environ, "KILN_ORT_INTRA_OP_THREADS": str(threads)}
+    env = {k: v for k, v in os.environ.items() if k != "KILN_ORT_INTRA_OP_THREADS"}
+    if threads is not None:
+        env["KILN_ORT_INTRA_OP_THREADS"] = str(threads)
     if spinning is not None:
         env["KILN_ORT_ALLOW_SPINNING"] = "1" if spinning else "0"
     cmd = _kiln_command() + [
