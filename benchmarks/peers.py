@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._peer_servers import (MLSERVER_MAX_BATCH_SIZE, MLSERVER_MAX_BATCH_TIME,
-                                      PeerConfig, PeerServer, peer_python, peer_server,
+                                      PeerConfig, PeerPython, PeerServer, peer_python, peer_server,
                                       peer_versions)
 from benchmarks.serving import (HEADER_LENGTH, LoadResult, Model, _wrk, build, iris_model,
                                 mlp_model, request_body, scrape, serving, wrk_files, wrk_path)
@@ -198,8 +198,8 @@ def run(quick: bool) -> str:
     return report(results, configs, versions, n, seconds, rounds, quick)
 
 
-def _compare(m: Model, cache_dir: Path, workdir: Path, pythons: dict, configs: list[PeerConfig],
-             n: int, seconds: float, rounds: int) -> list[Row]:
+def _compare(m: Model, cache_dir: Path, workdir: Path, pythons: dict[str, PeerPython],
+             configs: list[PeerConfig], n: int, seconds: float, rounds: int) -> list[Row]:
     """Every server up at once (idle ones cost little), checked, then each point measured
     on every server back to back, `rounds` times: load from elsewhere on the machine falls
     on all of them alike."""
@@ -266,7 +266,7 @@ def _how_it_ran(configs: list[PeerConfig], versions: dict[str, dict[str, str]], 
     mv, kv = versions["mlserver"], versions["kserve"]
     labels = {peer: "; ".join(f"*{c.label}*" for c in configs if c.peer == peer)
               for peer in ("kserve", "mlserver")}
-    single = (f"wrk with {wrk_threads(n)} thread{'s' if wrk_threads(n) > 1 else ''}")
+    single = f"wrk with {wrk_threads(n)} thread{'s' if wrk_threads(n) > 1 else ''}"
     return [
         f"One run, one machine, {n} CPUs (the benchmark's affinity, inherited by every server "
         f"and by wrk, which shares them), the same two models and the same load: closed loop, "
