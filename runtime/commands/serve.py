@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="front-end processes parsing HTTP in parallel before the one engine "
                              "(1: a single process); default: KILN_WORKERS, else "
                              "spec.runtime.frontendWorkers, else auto (the CPU limit less the "
-                             "engine processes, 1 below 3 CPUs)")
+                             "engine processes; 1 below 3 CPUs, 2 on 2 for a small CPU engine)")
     parser.add_argument("--engine-processes", default=os.environ.get("KILN_ENGINE_PROCESSES"),
                         metavar="N|auto",
                         help="engine processes behind the front ends, each with its own copy of "
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serving.rest.connections import ConnectionLimits
     from kiln.runtime.serving.workers.front_end import FrontEndConfig
     from kiln.runtime.serving.workers.engines import (EngineConfig, auto_engine_processes,
-                                                      parse_engine_processes)
+                                                      light_cpu_engine, parse_engine_processes)
     from kiln.runtime.serving.workers.supervisor import FrontEnds, cpu_limit, parse_workers
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.loading import parse_engines
@@ -166,12 +166,12 @@ def run(args: argparse.Namespace) -> int:
                                   header_timeout=args.header_timeout_seconds,
                                   keepalive_timeout=args.keepalive_timeout_seconds)
         cpus = cpu_limit()
+        light = light_cpu_engine(engines, args.cache_dir)
         engine_count = parse_engine_processes(
             args.engine_processes if args.engine_processes is not None
-            else runtime.get("engineProcesses"),
-            auto_engine_processes(cpus, engines, args.cache_dir), engines)
+            else runtime.get("engineProcesses"), auto_engine_processes(cpus, light), engines)
         workers = parse_workers(args.workers if args.workers is not None
-                                else runtime.get("frontendWorkers"), cpus, engine_count)
+                                else runtime.get("frontendWorkers"), cpus, engine_count, light)
         if workers == 1:
             engine_count = 1  # a single process: the engine is the front end
         threads = engine_threads_setting(runtime, cpus, workers, engine_count)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kiln.runtime.serving.workers.engines import (LIGHT_ENGINE_BYTES, auto_engine_processes,
-                                                  engine_threads, merge_metrics,
+                                                  engine_threads, light_cpu_engine, merge_metrics,
                                                   parse_engine_processes)
 from kiln.runtime.serving.workers.supervisor import default_workers, parse_workers
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
@@ -36,10 +36,11 @@ def built(tmp_path_factory) -> Built:
     return Built(tmp_path_factory.mktemp("frontend"))
 
 
-def serve(kiln_process, built: Built, tmp_path: Path, workers: int, runtime: dict | None = None):
+def serve(kiln_process, built: Built, tmp_path: Path, workers: int, runtime: dict | None = None,
+          engines: int = 1):
     return start(kiln_process, tmp_path, workers, [
         "--model-name", NAME, "--cache-dir", str(built.cache), "--engine", f"cpu={built.rel}",
-        "--runtime-spec", json.dumps(runtime or {})])
+        "--runtime-spec", json.dumps(runtime or {}), "--engine-processes", str(engines)])
 
 
 def start(kiln_process, tmp_path: Path, workers: int, args: list[str]):
@@ -206,8 +207,12 @@ def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
         assert p.stop() == 0
 
 
-def test_the_result_cache_is_shared_by_every_front_end(built, tmp_path, kiln_process):
-    p, client = serve(kiln_process, built, tmp_path, 2, {"resultCache": {"enabled": True}})
+@pytest.mark.parametrize("engines", [1, 2], ids=["one engine", "two engine processes"])
+def test_the_result_cache_is_shared_by_every_front_end(built, tmp_path, kiln_process, engines):
+    """With two engine processes too: requests of a model with a result cache all go to the
+    first, whichever front end reads them."""
+    p, client = serve(kiln_process, built, tmp_path, 2, {"resultCache": {"enabled": True}},
+                      engines)
     try:
         def lookups(result: str) -> float:
             return client.metric("kiln_result_cache_requests_total", model=NAME, result=result)
@@ -309,10 +314,14 @@ def test_engine_processes_and_threads_follow_the_cpus_and_the_engine(tmp_path):
     heavy.mkdir()
     (light / "engine.onnx").write_bytes(b"x" * 1000)
     (heavy / "engine.onnx").write_bytes(b"x" * (LIGHT_ENGINE_BYTES + 1))
-    auto = lambda cpus, engines: auto_engine_processes(cpus, engines, str(tmp_path))  # noqa: E731
-    assert [auto(c, {"cpu": "light"}) for c in (None, 2, 7, 8, 16, 64, 200)] == [1, 1, 1, 2, 4, 16, 16]
-    assert auto(16, {"cpu": "heavy"}) == auto(16, {"cpu": "nowhere"}) == 1
-    assert auto(16, {"cpu": "light", "sm90": "light"}) == 1  # a GPU pod: its memory spent once
+    def light(engines: dict) -> bool:
+        return light_cpu_engine(engines, str(tmp_path))
+
+    assert light({"cpu": "light"})
+    assert not light({"cpu": "heavy"}) and not light({"cpu": "nowhere"})
+    assert not light({"cpu": "light", "sm90": "light"})  # a GPU pod: its memory spent once
+    assert [auto_engine_processes(c, True) for c in (None, 2, 7, 8, 16, 64, 200)] == [1, 1, 1, 2, 4, 16, 16]
+    assert auto_engine_processes(16, False) == 1
     assert parse_engine_processes("auto", 4, {"cpu": "x"}) == parse_engine_processes(None, 4, {"cpu": "x"}) == 4
     assert parse_engine_processes("3", 1, {"cpu": "x"}) == 3
     for bad in ("0", "17", "two", True):
@@ -320,8 +329,10 @@ def test_engine_processes_and_threads_follow_the_cpus_and_the_engine(tmp_path):
             parse_engine_processes(bad, 1, {"cpu": "x"})
     with pytest.raises(ValueError, match="2 engine processes need CPU engines only .* sm90"):
         parse_engine_processes(2, 1, {"cpu": "x", "sm90": "y"})
-    # Front ends take the CPUs the engine processes leave; engine threads the rest.
+    # Front ends take the CPUs the engine processes leave (2 CPUs: 2 for a light model);
+    # engine threads the rest.
     assert [default_workers(16, e) for e in (1, 4)] == [15, 12]
+    assert [default_workers(c, 1, light=True) for c in (None, 1, 2, 3, 4)] == [1, 1, 2, 2, 3]
     assert [engine_threads(c, w, e) for c, w, e in
             [(None, 1, 1), (2, 1, 1), (16, 15, 1), (16, 12, 4), (4, 3, 1), (3.5, 2, 1)]] == \
         [None, 2, 12, 3, 3, 2]
@@ -361,28 +372,12 @@ def test_metrics_of_several_engine_processes_add_up():
 
 def test_engine_processes_share_the_front_ends(built, tmp_path, kiln_process):
     """Two engine processes behind four front ends: every answer right, /metrics adds both
-    engines up, the result cache and readiness are the pod's, a killed second engine is
-    started again (its front ends with it) and the pod answers again; SIGTERM drains all."""
-    p = kiln_process(["serve", "--model-name", NAME, "--cache-dir", str(built.cache),
-                      "--engine", f"cpu={built.rel}", "--runtime-spec", "{}", "--host", "127.0.0.1",
-                      "--port", "0", "--no-grpc", "--workers", "4", "--engine-processes", "2",
-                      "--drain-seconds", "10"], tmp_path)
-    port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
-    p.wait_for(r"2 engine processes")
-    client = ServerThread.__new__(ServerThread)
-    client.port = port
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> None:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if client.get("/v2/health/ready")[0] == 200:
-                    return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "\n".join(p.lines)
-            time.sleep(0.05)
+    engines up, a killed second engine is started again (its front ends with it) and the
+    pod answers again; SIGTERM stops everything, exit 0."""
+    p, client = start(kiln_process, tmp_path, 4, [
+        "--model-name", NAME, "--cache-dir", str(built.cache), "--engine", f"cpu={built.rel}",
+        "--engine-processes", "2"])
+    base = f"http://127.0.0.1:{client.port}"
 
     def burst(n: int, seed: int) -> int:
         def one(i: int) -> int:
@@ -398,7 +393,6 @@ def test_engine_processes_share_the_front_ends(built, tmp_path, kiln_process):
             return sum(pool.map(one, range(n)))
 
     try:
-        ready()
         second = int(p.wait_for(r"engine process 1 started \(pid (\d+)\)").group(1))
         assert len(front_ends(p.proc.pid)) == 5, "4 front ends and a second engine process"
         warmup = client.metric("kiln_batch_size_sum", model=NAME)

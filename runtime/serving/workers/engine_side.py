@@ -149,9 +149,9 @@ class _EngineSide:
             for name, outcome, seconds in message[1]:
                 self.hub.dataplane.record(name, outcome, seconds)
         elif kind == "metrics":
-            task = asyncio.create_task(self._send_metrics(message[1]))
-            self.tasks[-message[1]] = task  # cancelled with the link (ids of requests are > 0)
-            task.add_done_callback(lambda _: self.tasks.pop(-message[1], None))
+            rid = message[1]
+            self.tasks[rid] = asyncio.create_task(self._send_metrics(rid))  # cancelled with the link
+            self.tasks[rid].add_done_callback(lambda _: self.tasks.pop(rid, None))
         elif kind == "hello":
             # Attached, not created: the segment is the front end's, which unlinks it. (Both use
             # one resource tracker, started by this process, which unlinks what a front end

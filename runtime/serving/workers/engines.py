@@ -19,8 +19,8 @@ first:
 Only for CPU engines: each process holds its own copy of the model in memory, which on a
 GPU would be GPU memory spent E times. The default (`auto_engine_processes`) is one per 4
 CPUs when every engine of the model is a CPU engine of at most `LIGHT_ENGINE_BYTES` (there,
-the loop is the limit); one otherwise (there, the cores are better spent as threads of one
-session: docs/benchmarks.md, Serving that uses the whole machine).
+the loop is the limit: `light_cpu_engine`); one otherwise (there, the cores are better spent
+as threads of one session: docs/benchmarks.md, Serving that uses the whole machine).
 """
 
 from __future__ import annotations
@@ -47,18 +47,25 @@ CPUS_PER_ENGINE = 4
 _ORPHAN_CHECK_SECONDS = 1.0
 
 
-def auto_engine_processes(cpus: float | None, engines: Mapping[str, str], cache_dir: str) -> int:
-    """The engine processes `kiln serve` runs by default: one per `CPUS_PER_ENGINE` CPUs
-    for a light CPU model, one for anything else (a GPU target, a larger engine, an unknown
-    CPU limit)."""
-    if cpus is None or cpus < 2 * CPUS_PER_ENGINE or set(engines) != {CPU_TARGET}:
-        return 1
+def light_cpu_engine(engines: Mapping[str, str], cache_dir: str) -> bool:
+    """Whether every engine of the model is a CPU engine of at most `LIGHT_ENGINE_BYTES`:
+    one whose execution costs less than a request's trip through an event loop, so that
+    the pod's requests a second are the loops' to raise (front ends, engine processes)."""
+    if set(engines) != {CPU_TARGET}:
+        return False
     entry = Path(cache_dir) / engines[CPU_TARGET]
     try:
         size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
     except OSError:
-        return 1  # the load will say what is wrong with the entry
-    if size > LIGHT_ENGINE_BYTES:
+        return False  # the load will say what is wrong with the entry
+    return size <= LIGHT_ENGINE_BYTES
+
+
+def auto_engine_processes(cpus: float | None, light: bool) -> int:
+    """The engine processes `kiln serve` runs by default: one per `CPUS_PER_ENGINE` CPUs
+    for a light CPU model (`light_cpu_engine`), one for anything else (a GPU target, a
+    larger engine, an unknown CPU limit)."""
+    if cpus is None or cpus < 2 * CPUS_PER_ENGINE or not light:
         return 1
     return min(MAX_ENGINE_PROCESSES, int(cpus // CPUS_PER_ENGINE))
 

@@ -80,19 +80,23 @@ def cpu_limit() -> float | None:
     return min(limits) if limits else None
 
 
-def default_workers(cpus: float | None, engines: int = 1) -> int:
-    """One front end per CPU beyond the engine processes' own, up to 16; a single process
-    (no hops between processes) below 3 CPUs, where a second process has no core to run on."""
-    if cpus is None or cpus < 3:
+def default_workers(cpus: float | None, engines: int = 1, light: bool = False) -> int:
+    """One front end per CPU beyond the engine processes' own, up to 16. Below 3 CPUs, a
+    single process (no hops between processes, the engine's threads get the CPUs), except
+    for a light model (workers.engines.light_cpu_engine) on 2: there the engine's work is
+    the smallest part of a request, and 2 front ends before the engine serve 1.5-2.5x the
+    single process's requests (docs/benchmarks.md)."""
+    if cpus is None or cpus < 2 or (cpus < 3 and not light):
         return 1
     return max(2, min(MAX_AUTO_FRONT_END_WORKERS, int(math.floor(cpus)) - engines))
 
 
-def parse_workers(value: str | int | None, cpus: float | None, engines: int = 1) -> int:
+def parse_workers(value: str | int | None, cpus: float | None, engines: int = 1,
+                  light: bool = False) -> int:
     """`--workers` / KILN_WORKERS / spec.runtime.frontendWorkers -> a count; "auto" or
     None picks `default_workers`. Raises ValueError with the accepted forms."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
-        return default_workers(cpus, engines)
+        return default_workers(cpus, engines, light)
     try:
         n = int(value)
     except (TypeError, ValueError):
