@@ -7,9 +7,9 @@ spread:
 
 - the tiny model (the demo's Iris classifier: its execution takes microseconds, so what
   limits a server is HTTP and the hand-overs), JSON, at concurrency 64 and 256: the single
-  process (`--workers 1`), the design before issue 22 (one engine process behind the CPU
-  limit less one front ends) and Kiln's defaults on this machine (front ends and engine
-  processes picked from the CPUs);
+  process (`--workers 1`), one engine process behind the CPU limit less one front ends
+  (`--engine-processes 1`, the default above 2 CPUs before issue 22) and Kiln's defaults on
+  this machine (front ends and engine processes picked from the CPUs);
 - the MLP (4 x 2048 MatMul + Relu), binary, at concurrency 256, batching up to 256 rows:
   Kiln's defaults (engine threads from the CPU limit) and ONNX Runtime's own default
   threads, against ONNX Runtime alone with every CPU as a thread at its best batch (the
@@ -75,17 +75,19 @@ def _tiny(workdir: Path, cores: int, wrk_threads: int, seconds: float, rounds: i
     model = iris_model()
     build(model, workdir / "cache")
     configs = [("single process", ("--workers", "1")),
-               ("one engine process (before issue 22)", ("--engine-processes", "1")),
+               ("one engine process", ("--engine-processes", "1")),
                ("Kiln's defaults", ())]
-    if cores < 3:  # every default is the single process here
-        configs = configs[:1]
+    if cores < 3:  # one engine process is the default here
+        configs = [configs[0], configs[2]]
     out = ["The tiny model (the demo's Iris classifier), JSON, `spec.runtime` empty (Kiln's "
-           "defaults: batching on, `maxBatchSize` 32, 2 contexts):", "",
+           "defaults: batching on, `maxBatchSize` 32, 2 contexts). Before issue 22 the default "
+           "was the single process below 3 CPUs and one engine process behind the CPU limit "
+           "less one front ends above:", "",
            "| configuration | processes | concurrency | req/s | spread | p50 | p99 | mean batch | server CPU / s |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, args in configs:
         with serving(model, workdir / "cache", {}, None, workdir,
-                     extra_args=("--no-grpc", "--log-level", "INFO", *args)) as srv:
+                     extra_args=("--no-grpc", "--log-level", "INFO", *args), workers=None) as srv:
             check_answer(srv.url, model)
             processes = _processes(_log(workdir, model.name, srv.url))
             for c in TINY_CONCURRENCY:
@@ -97,10 +99,6 @@ def _tiny(workdir: Path, cores: int, wrk_threads: int, seconds: float, rounds: i
                            f"{r.p99_us / 1e3:.2f} ms | {r.mean_batch or 0:.1f} | "
                            f"{(r.server_cpu or 0) / r.seconds:.2f} |")
         print(f"   tiny: {label} done", file=sys.stderr, flush=True)
-    if cores < 3:
-        out += ["", f"On {cores} CPUs every default is the single process (no core for a second "
-                    "one); front ends and engine processes are measured on a larger machine "
-                    "(see the 16-CPU section)."]
     return out
 
 
@@ -114,7 +112,7 @@ def _mlp(workdir: Path, cores: int, wrk_threads: int, seconds: float, rounds: in
     for label, threads in (("Kiln's defaults (engine threads from the CPU limit)", None),
                            ("ONNX Runtime's default threads (before issue 22)", 0)):
         with serving(model, workdir / "cache", spec, threads, workdir,
-                     extra_args=("--no-grpc", "--log-level", "INFO")) as srv:
+                     extra_args=("--no-grpc", "--log-level", "INFO"), workers=None) as srv:
             check_answer(srv.url, model)
             runs = [load(srv, model, MLP_CONCURRENCY, seconds, threads=wrk_threads)
                     for _ in range(rounds)]

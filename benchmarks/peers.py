@@ -213,7 +213,7 @@ def _compare(m: Model, cache_dir: Path, workdir: Path, pythons: dict[str, PeerPy
     with ExitStack() as stack:
         # gRPC on as by default, on a free port (its default 8081 may be taken on a shared machine)
         kiln = stack.enter_context(serving(m, cache_dir, KILN_DEFAULT, None, workdir,
-                                           extra_args=("--grpc-port", "0")))
+                                           extra_args=("--grpc-port", "0"), workers=None))
         servers = [PeerServer(KILN, [kiln.url], binary=True)]
         for cfg in configs:
             servers.append(stack.enter_context(peer_server(cfg, pythons[cfg.peer], m, workdir)))

@@ -183,11 +183,12 @@ def started(cmd: list[str], ready_url: str, log_path: Path, *, env: dict[str, st
 @contextmanager
 def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int | None,
             log_dir: Path, spinning: bool | None = None,
-            extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
+            extra_args: tuple[str, ...] = (), workers: int | None = 1) -> Iterator[Server]:
     """`kiln serve` in a subprocess until ready; yields its URL and pid, stops it on exit.
     `threads`: ONNX Runtime's intra-op threads (KILN_ORT_INTRA_OP_THREADS); None: none set,
-    Kiln picks them from the CPUs it has. `extra_args` go on its command line (e.g.
-    `--max-body-bytes`)."""
+    Kiln picks them from the CPUs it has. `workers`: its front-end processes, 1 (the
+    batching benchmarks' single process) unless given; None: Kiln picks them (and its
+    engine processes). `extra_args` go on its command line (e.g. `--max-body-bytes`)."""
     port = _free_port()
     log_path = log_dir / f"serve-{model.name}-{port}.log"
     env = {k: v for k, v in os.environ.items() if k != "KILN_ORT_INTRA_OP_THREADS"}
@@ -199,7 +200,7 @@ def serving(model: Model, cache_dir: Path, runtime: dict[str, Any], threads: int
         "serve", "--model-name", model.name, "--cache-dir", str(cache_dir),
         "--engine", f"cpu={model.rel}", "--runtime-spec", json.dumps(runtime),
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
-        "--drain-seconds", "2", *extra_args]
+        "--drain-seconds", "2", *(("--workers", str(workers)) if workers else ()), *extra_args]
     url = f"http://127.0.0.1:{port}"
     with started(cmd, f"{url}/v2/health/ready", log_path, env=env, cwd=log_dir) as proc:
         yield Server(url, proc.pid)
