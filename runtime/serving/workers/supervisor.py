@@ -226,7 +226,8 @@ class FrontEnds:
             task.cancel()
         deadline = time.monotonic() + max(0.0, drain_seconds) + 5
         await _terminate(self._procs.values(), deadline)
-        await _terminate(self._engine_procs.values(), deadline)
+        # Nothing is in flight in them once their front ends are gone: a moment to exit cleanly.
+        await _terminate(self._engine_procs.values(), max(deadline, time.monotonic() + 2))
         if self._hub is not None:
             await self._hub.stop()
         if self._reserved is not None:
