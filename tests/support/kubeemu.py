@@ -289,7 +289,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
     store: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict)  # (res key, ns, name)
     rv: int = attrs.field(default=1000)
     history: dict[str, collections.deque] = attrs.field(factory=dict)
-    changed: asyncio.Condition | None = attrs.field(default=None)
+    # Set (and replaced) on every change: watches wait on the one they saw. An Event, not a
+    # Condition: a wait_for on Condition.wait() cancelled at its timeout can fail to take the
+    # lock back ("Lock is not acquired", Python 3.11) and leave the watch's handler hung.
+    changed: asyncio.Event | None = attrs.field(default=None)
     counts: collections.Counter = attrs.field(factory=collections.Counter)  # (method, res key) -> n
     n_requests: int = attrs.field(default=0)
     keep_requests: bool = attrs.field(default=True)
@@ -463,10 +466,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _emit(self, spec: ResourceSpec, kind: str, obj: dict[str, Any]) -> None:
         rv = int(obj["metadata"]["resourceVersion"])
         self.history.setdefault(spec.key, collections.deque(maxlen=HISTORY)).append((rv, kind, copy.deepcopy(obj)))
-        if self.changed is None:
-            self.changed = asyncio.Condition()
-        async with self.changed:
-            self.changed.notify_all()
+        if self.changed is not None:
+            self.changed.set()
+        self.changed = asyncio.Event()
 
     def _store_new(self, spec: ResourceSpec, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.setdefault("metadata", {})
@@ -669,7 +671,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if initial and initial[-1]["type"] == "ERROR":
             return
         if self.changed is None:
-            self.changed = asyncio.Condition()
+            self.changed = asyncio.Event()
         bookmarks = request.params.get("allowWatchBookmarks") in ("true", "1")
         next_bookmark = time.monotonic() + self.bookmark_seconds
         while True:
@@ -697,11 +699,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if transport is None or transport.is_closing():
                 return  # the client went away (aiohttp does not cancel handlers on disconnect)
             wait = min(deadline, next_bookmark if bookmarks else deadline, now + 1.0) - now
-            async with self.changed:
-                try:
-                    await asyncio.wait_for(self.changed.wait(), timeout=wait)
-                except asyncio.TimeoutError:
-                    pass
+            try:  # no await since the scan above: a change from here on sets this event
+                await asyncio.wait_for(self.changed.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
 
 
 async def start(crd: dict[str, Any] | None = None, **kwargs: Any) -> tuple[KubeEmulator, kmock.Server]:
