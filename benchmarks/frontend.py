@@ -25,18 +25,13 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.__main__ import machine
-from benchmarks.serving import (MAX_BATCH, LoadResult, build, ceiling, check_answer, iris_model,
-                                load, mlp_model, serving, wrk_path)
+from benchmarks.serving import (MAX_BATCH, build, ceiling, check_answer, iris_model, load,
+                                median_round, mlp_model, serving, wrk_path)
 
 ROUNDS = 3
 TINY_CONCURRENCY = (64, 256)
 MLP_CONCURRENCY = 256
 CEILING_BATCHES = (256, 512)
-
-
-def _median(runs: list[LoadResult]) -> tuple[LoadResult, float, float]:
-    ranked = sorted(runs, key=lambda r: r.throughput)
-    return ranked[(len(ranked) - 1) // 2], ranked[0].throughput, ranked[-1].throughput
 
 
 def _processes(log: str) -> str:
@@ -93,7 +88,7 @@ def _tiny(workdir: Path, cores: int, wrk_threads: int, seconds: float, rounds: i
             for c in TINY_CONCURRENCY:
                 runs = [load(srv, model, c, seconds, binary=False, threads=wrk_threads)
                         for _ in range(rounds)]
-                r, low, high = _median(runs)
+                r, low, high = median_round(runs)
                 out.append(f"| {label} | {processes} | {c} | {r.throughput:,.0f} | "
                            f"{low:,.0f}-{high:,.0f} | {r.p50_us / 1e3:.2f} ms | "
                            f"{r.p99_us / 1e3:.2f} ms | {r.mean_batch or 0:.1f} | "
@@ -116,10 +111,9 @@ def _mlp(workdir: Path, cores: int, wrk_threads: int, seconds: float, rounds: in
             check_answer(srv.url, model)
             runs = [load(srv, model, MLP_CONCURRENCY, seconds, threads=wrk_threads)
                     for _ in range(rounds)]
-            rows.append((label, _processes(_log(workdir, model.name, srv.url)), *_median(runs)))
+            rows.append((label, _processes(_log(workdir, model.name, srv.url)), *median_round(runs)))
     ceilings = [ceiling(model, cores, CEILING_BATCHES, 1.0).best for _ in range(rounds)]
-    ranked = sorted(ceilings, key=lambda b: b[1])
-    (size, rate), low, high = ranked[(len(ranked) - 1) // 2], ranked[0][1], ranked[-1][1]
+    (size, rate), low, high = median_round(ceilings, lambda best: best[1])
     out = [f"The MLP (4 x 2048 MatMul + Relu), binary, concurrency {MLP_CONCURRENCY}, "
            f"`maxBatchSize` {MAX_BATCH}, other settings the defaults, against ONNX Runtime "
            f"alone with {cores} intra-op threads (every CPU) at its best batch: {rate:,.0f} "

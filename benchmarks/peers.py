@@ -40,7 +40,7 @@ from benchmarks._peer_servers import (MLSERVER_MAX_BATCH_SIZE, MLSERVER_MAX_BATC
                                       PeerConfig, PeerPython, PeerServer, peer_python, peer_server,
                                       peer_versions)
 from benchmarks.serving import (HEADER_LENGTH, LoadResult, Model, _wrk, build, iris_model,
-                                mlp_model, request_body, scrape, serving, wrk_files, wrk_path)
+                                median_round, mlp_model, request_body, scrape, serving, wrk_files, wrk_path)
 
 _ONLY = os.environ.get("KILN_BENCH_PEERS_CONCURRENCY")
 JSON_CONCURRENCY = tuple(int(c) for c in _ONLY.split(",")) if _ONLY else (1, 64, 256)
@@ -179,9 +179,7 @@ class Row:
 
 def summarize(server: str, body: str, rounds: list[LoadResult]) -> Row:
     """The median round (by req/s; the middle one of an odd number) and the spread."""
-    ranked = sorted(rounds, key=lambda r: r.throughput)
-    return Row(server, body, ranked[(len(ranked) - 1) // 2], ranked[0].throughput,
-               ranked[-1].throughput)
+    return Row(server, body, *median_round(rounds))
 
 
 def run(quick: bool) -> str:

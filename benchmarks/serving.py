@@ -34,7 +34,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -259,6 +259,14 @@ class LoadResult:
 
     def percentile(self, q: float) -> float:
         return {50: self.p50_us, 99: self.p99_us}[q] / 1e3
+
+
+def median_round(rounds: list[Any], rate: Callable[[Any], float] = lambda r: r.throughput
+                 ) -> tuple[Any, float, float]:
+    """The median round by `rate` (the middle one of an odd number) and the spread: the
+    slowest and the fastest round's rate."""
+    ranked = sorted(rounds, key=rate)
+    return ranked[(len(ranked) - 1) // 2], rate(ranked[0]), rate(ranked[-1])
 
 
 def request_body(model: Model, rows: int, binary: bool) -> tuple[bytes, dict[str, str]]:

@@ -126,13 +126,12 @@ def engine_threads_setting(runtime: dict, cpus: float | None, workers: int,
     when set (None here: the backend reads it), else spec.runtime.engineThreads, else
     derived from the CPU limit (`workers.engines.engine_threads`)."""
     from kiln.runtime.engine.backends.onnxruntime import THREADS_ENV
-    from kiln.runtime.serving.workers.engines import engine_threads
+    from kiln.runtime.serving.workers.engines import engine_threads, parse_engine_threads
 
+    chosen = parse_engine_threads(runtime.get("engineThreads"))
     if os.environ.get(THREADS_ENV):
         return None
-    if runtime.get("engineThreads"):
-        return int(runtime["engineThreads"])
-    return engine_threads(cpus, workers, engine_count)
+    return chosen if chosen is not None else engine_threads(cpus, workers, engine_count)
 
 
 def run(args: argparse.Namespace) -> int:

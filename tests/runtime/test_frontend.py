@@ -20,7 +20,7 @@ import pytest
 
 from kiln.runtime.serving.workers.engines import (LIGHT_ENGINE_BYTES, auto_engine_processes,
                                                   engine_threads, light_cpu_engine, merge_metrics,
-                                                  parse_engine_processes)
+                                                  parse_engine_processes, parse_engine_threads)
 from kiln.runtime.serving.workers.supervisor import default_workers, parse_workers
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
@@ -329,6 +329,10 @@ def test_engine_processes_and_threads_follow_the_cpus_and_the_engine(tmp_path):
             parse_engine_processes(bad, 1, {"cpu": "x"})
     with pytest.raises(ValueError, match="2 engine processes need CPU engines only .* sm90"):
         parse_engine_processes(2, 1, {"cpu": "x", "sm90": "y"})
+    assert parse_engine_threads(None) is None and parse_engine_threads(6) == 6
+    for bad in (0, 257, "4", True, 2.5):
+        with pytest.raises(ValueError, match="runtime.engineThreads must be a number from 1 to 256"):
+            parse_engine_threads(bad)
     # Front ends take the CPUs the engine processes leave (2 CPUs: 2 for a light model);
     # engine threads the rest.
     assert [default_workers(16, e) for e in (1, 4)] == [15, 12]

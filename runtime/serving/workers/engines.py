@@ -91,6 +91,20 @@ def parse_engine_processes(value: str | int | None, default: int,
     return n
 
 
+MAX_ENGINE_THREADS = 256  # the CRD's bound on runtime.engineThreads
+
+
+def parse_engine_threads(value: Any) -> int | None:
+    """spec.runtime.engineThreads -> a count, None when absent. Raises ValueError with the
+    accepted range (a hand-written --runtime-spec is not checked by an API server)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ENGINE_THREADS:
+        raise ValueError(f"runtime.engineThreads must be a number from 1 to {MAX_ENGINE_THREADS}, "
+                         f"got {value!r}")
+    return value
+
+
 def engine_threads(cpus: float | None, front_ends: int, engines: int) -> int | None:
     """ONNX Runtime intra-op threads of each engine process: the CPU limit less a core for
     every 4 front ends busy on HTTP (at least one), shared by the engine processes; None
