@@ -31,6 +31,14 @@ class OperatorConfig:
     # Canary analysis queries this Prometheus (its HTTP API); None: only the spec's own checks,
     # which then cannot run, so such a rollout waits.
     prometheus_url: str | None = None
+    # Engine-cache garbage collection (cachegc.py): a pass per namespace this often (0: off);
+    # per model and target the newest `retention` entries no version needs stay for a rollback;
+    # an entry goes once nothing has needed it for `grace`; a dry run only says what would go.
+    cache_gc_interval_seconds: float = 3600.0
+    cache_gc_retention: int = 1
+    cache_gc_grace_seconds: float = 86400.0
+    cache_gc_dry_run: bool = False
+    cache_gc_job_timeout_seconds: int = 1800
 
     def backend_version(self, backend: str) -> str:
         try:

@@ -15,14 +15,15 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from kiln.operator import manifests, observations
+from kiln.operator import cachegc, manifests, observations
 from kiln.operator import conditions as cond
 from kiln.operator.kube import ApiError
 from kiln.operator.plan import EngineRef
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
 from kiln.runtime.api import contract
 
-OWNS = Owns(conditions=("EngineReady",), fields=("engines",), refused="EngineReady")
+OWNS = Owns(conditions=("EngineReady",), fields=("engines", "cache"), refused="EngineReady")
+OUT_OF_DISK = "OutOfDisk"  # runtime/api/errors.py: the build ran out of space on the cache claim
 
 
 @dataclasses.dataclass
@@ -38,14 +39,18 @@ class EngineObservation:
 async def step(p: Pass) -> StepResult:
     if p.invalid is not None:
         condition = (False, "InvalidSpec", p.invalid)
-        return StepResult(conditions={"EngineReady": condition}, status={"engines": list(p.previous.get("engines") or [])},
+        kept = {k: p.previous[k] for k in ("cache",) if p.previous.get(k)}
+        return StepResult(conditions={"EngineReady": condition}, status={"engines": list(p.previous.get("engines") or []), **kept},
                           events=transition_events(p.previous_condition("EngineReady"), condition, []), out=[])
     await _delete_obsolete_jobs(p)
     acted_before = len(p.events)
     observed = [await _observe(p, engine) for engine in p.engines]
     condition = engine_condition(observed)
     events = transition_events(p.previous_condition("EngineReady"), condition, p.events[acted_before:])
-    return StepResult(conditions={"EngineReady": condition}, status={"engines": status_engines(observed, p.version)},
+    current = {e.key for e in p.engines} | cachegc.engine_keys_of_status(p.previous)
+    cache = cachegc.cache_status(p.ns, p.name, p.views.engine_index(p.ns), current, p.ctx.config.cache_claim)
+    status = {"engines": status_engines(observed, p.version), **({"cache": cache} if cache else {})}
+    return StepResult(conditions={"EngineReady": condition}, status=status,
                       events=events, waiting=any(o.state != "Ready" for o in observed), out=observed,
                       requeue=p.ctx.config.retry_seconds if any(o.retry for o in observed) else None)
 
@@ -56,8 +61,14 @@ def engine_condition(observed: list[EngineObservation]) -> Condition:
     failed = [o for o in observed if o.state == "Failed"]
     missing = [o for o in observed if o.state != "Ready"]
     if failed:
-        return (False, "BuildFailed", "; ".join(
-            f"engine {o.engine.key} for {o.engine.architecture} (Job {o.engine.job_name}): {o.message}" for o in failed))
+        # Out of space on the cache claim is the user's to fix (a bigger claim, cache GC's
+        # settings), not the model's: its own reason.
+        full = all(o.reason == OUT_OF_DISK for o in failed)
+        hint = ("; the engine cache claim is out of space: give it more, or let cache GC remove more "
+                "(--cache-gc-retention, --cache-gc-grace-seconds)" if full else "")
+        return (False, OUT_OF_DISK if full else "BuildFailed", "; ".join(
+            f"engine {o.engine.key} for {o.engine.architecture} (Job {o.engine.job_name}): {o.message}"
+            for o in failed) + hint)
     if missing:
         return (False, "Building", "building " + ", ".join(
             f"engine {o.engine.key} for {o.engine.architecture} (Job {o.engine.job_name})" for o in missing))
@@ -72,9 +83,9 @@ def transition_events(old: Mapping[str, Any], new: Condition, acted: list[Event]
     acted_reasons = {r for _, r, _ in acted}
     if reason == "InvalidSpec":
         return [] if old.get("reason") == "InvalidSpec" else [("Warning", "InvalidSpec", message)]
-    if reason == "BuildFailed":
-        changed = old.get("reason") != "BuildFailed" or old.get("message") != message
-        return [("Warning", "BuildFailed", message)] if changed else []
+    if reason in ("BuildFailed", OUT_OF_DISK):
+        changed = old.get("reason") != reason or old.get("message") != message
+        return [("Warning", reason, message)] if changed else []
     if value and old.get("status") != cond.TRUE and "BuildSucceeded" not in acted_reasons:
         return [("Normal", "EnginesReady", message)]  # built for another model, or earlier
     if reason == "Building" and old.get("reason") != "Building" and "BuildStarted" not in acted_reasons:
@@ -135,8 +146,12 @@ async def _delete_obsolete_jobs(p: Pass) -> None:
 
 async def _observe(p: Pass, engine: EngineRef) -> EngineObservation:
     """One engine: in the index, or its Job's state (creating the Job when there is none)."""
-    result = p.ctx.results.get((p.ns, engine.index_key)) or contract.parse_result(
-        p.views.engine_index(p.ns).get(engine.index_key))
+    indexed = p.views.engine_index(p.ns).get(engine.index_key)
+    forgotten = (p.ns, engine.index_key) in p.ctx.gc_forgotten
+    if forgotten and indexed is None:
+        p.ctx.gc_forgotten.discard((p.ns, engine.index_key))  # the view caught up with cache GC
+    result = p.ctx.results.get((p.ns, engine.index_key)) or (
+        None if forgotten else contract.parse_result(indexed))
     if _is_current(result, engine):
         return EngineObservation(engine, "Ready", result)
     job = p.views.job(p.ns, engine.job_name)
@@ -200,7 +215,7 @@ def _retry_now(p: Pass, job: Mapping[str, Any]) -> bool:
     created_for_older = (ann.get(contract.ANN_REQUESTED_BY) == p.name
                          and int(ann.get(contract.ANN_GENERATION) or p.generation) < p.generation)
     seen = p.previous_condition("EngineReady")
-    seen_earlier = seen.get("reason") == "BuildFailed" and int(seen.get("observedGeneration") or 0) < p.generation
+    seen_earlier = seen.get("reason") in ("BuildFailed", OUT_OF_DISK) and int(seen.get("observedGeneration") or 0) < p.generation
     return created_for_older or seen_earlier
 
 
@@ -224,8 +239,11 @@ async def _recreate(p: Pass, engine: EngineRef, job: Mapping[str, Any]) -> Engin
 
 
 async def record_result(p: Pass, engine: EngineRef, result: Mapping[str, Any]) -> None:
-    """Add the build result to the namespace's engine index (a merge patch adds one key)."""
-    kube, value = p.ctx.kube, json.dumps(dict(result), sort_keys=True, separators=(",", ":"))
+    """Add the build result to the namespace's engine index (a merge patch adds one key),
+    with what cache GC reads: when it was recorded, and on which claim."""
+    result = {**result, "recordedAt": p.ctx.clock().isoformat(timespec="seconds").replace("+00:00", "Z"),
+              "claim": (p.spec.get("cache") or {}).get("claimName") or p.ctx.config.cache_claim}
+    kube, value = p.ctx.kube, json.dumps(result, sort_keys=True, separators=(",", ":"))
     try:
         await kube.patch("ConfigMap", p.ns, contract.ENGINE_INDEX, {"data": {engine.index_key: value}})
     except ApiError as e:
@@ -234,4 +252,5 @@ async def record_result(p: Pass, engine: EngineRef, result: Mapping[str, Any]) -
         _, created = await kube.create(manifests.engine_index_configmap(p.ns, {engine.index_key: value}))
         if not created:
             await kube.patch("ConfigMap", p.ns, contract.ENGINE_INDEX, {"data": {engine.index_key: value}})
-    p.ctx.results[(p.ns, engine.index_key)] = dict(result)
+    p.ctx.results[(p.ns, engine.index_key)] = result
+    p.ctx.gc_forgotten.discard((p.ns, engine.index_key))

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import kopf
 
-from kiln.operator import observations, reconcile, rollout
+from kiln.operator import cachegc, observations, reconcile, rollout
 from kiln.operator import signals as sig
 from kiln.runtime.api import contract
 
@@ -179,12 +179,57 @@ class Waker:
             timer.cancel()
 
 
+class CacheCollector:
+    """Runs a cache GC pass (cachegc.collect) per namespace on its own timer, which each pass
+    sets again. Armed by the engine index's watch events, which kopf delivers only on the
+    leading operator (and at its start, for every index there is)."""
+
+    def __init__(self, memo: Any) -> None:
+        self.memo = memo
+        self.kw: Mapping[str, Any] | None = None
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.passes: set[asyncio.Task] = set()
+
+    def arm(self, namespace: str, seconds: float) -> None:
+        if namespace in self.timers or self.memo.ctx.config.cache_gc_interval_seconds <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self.timers[namespace] = loop.call_later(max(seconds, 0.0), self._start, namespace)
+
+    def _start(self, namespace: str) -> None:
+        task = asyncio.ensure_future(self._fire(namespace))
+        self.passes.add(task)
+        task.add_done_callback(self.passes.discard)
+
+    async def _fire(self, namespace: str) -> None:
+        ctx = self.memo.ctx
+        try:
+            delay = await cachegc.collect(ctx, namespace, lambda: self._read(namespace))
+        except Exception as e:  # noqa: BLE001 - a failed pass is tried again, never the operator's end
+            logger.warning("%s: cache GC pass failed: %s", namespace, e)
+            delay = ctx.config.retry_seconds * 6
+        self.timers.pop(namespace, None)
+        self.arm(namespace, delay)
+
+    def _read(self, namespace: str) -> cachegc.Namespace:
+        kw = self.kw or {}
+
+        def values(index: Any) -> list[Any]:
+            return [v for key in list(index or ()) if key[0] == namespace for v in index[key]]
+        return cachegc.Namespace(models=values(kw.get("kiln_models")), deployments=values(kw.get("kiln_deployments")),
+                                 build_jobs=values(kw.get("kiln_jobs")))
+
+
 def _seen(memo: Any, kw: Mapping[str, Any]) -> None:
     waker = getattr(memo, "waker", None)
     if waker is None:
         memo.waker = waker = Waker(memo)
         memo.ctx.wake = waker
     waker.kw = kw
+    collector = getattr(memo, "collector", None)
+    if collector is None:
+        memo.collector = collector = CacheCollector(memo)
+    collector.kw = kw
 
 
 # ------------------------------------------------------------------------ handlers
@@ -281,6 +326,23 @@ async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any,
         await _reconcile_models([(namespace, model)], memo, kw, logger)
 
 
+async def on_engine_index(namespace: str, body: Mapping[str, Any], memo: Any, **kw: Any) -> None:
+    """An engine index exists (or changed): its namespace gets cache GC passes, the first one
+    an interval after the last (the index's annotation; a new index: its creation), and not
+    before the indexes filled (a few seconds after the operator's start)."""
+    _seen(memo, kw)
+    interval = memo.ctx.config.cache_gc_interval_seconds
+    meta = body.get("metadata") or {}
+    last = cachegc.parse_time((meta.get("annotations") or {}).get(cachegc.ANN_LAST_RUN)
+                              or meta.get("creationTimestamp"))
+    since = (memo.ctx.clock() - last).total_seconds() if last else interval
+    memo.collector.arm(namespace, max(interval - since, min(STARTUP_SECONDS, interval)))
+
+
+# Before a first cache GC pass: kopf's indexes of models, Deployments and Jobs are full.
+STARTUP_SECONDS = 10.0
+
+
 def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     kopf.index(*MODELS, registry=registry)(kiln_models)
     kopf.index(*MODELS, registry=registry)(kiln_models_by_job)
@@ -304,4 +366,6 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
     kopf.on.event(*PODS, id="build-pod", labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
     kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_runtime_event)
     kopf.on.event(*SERVICES, id="service", labels=KILN, registry=registry)(on_runtime_event)
+    kopf.on.event(*CONFIGMAPS, id="engine-index", field="metadata.name", value=contract.ENGINE_INDEX,
+                  when=lambda type, **_: type != "DELETED", registry=registry)(on_engine_index)
     return registry

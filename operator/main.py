@@ -26,6 +26,20 @@ def _backend_version(text: str) -> tuple[str, str]:
     return name, version
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
@@ -66,6 +80,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prometheus-url", default=None, metavar="URL",
                         help="Prometheus for canary analysis (e.g. http://prometheus-operated.monitoring:9090); "
                              "without it the built-in checks are off and a spec's own checks hold the rollout")
+    parser.add_argument("--cache-gc-interval-seconds", type=_non_negative, default=3600.0,
+                        help="engine-cache garbage collection: a pass per namespace this often (0: off)")
+    parser.add_argument("--cache-gc-retention", type=_count, default=1, metavar="N",
+                        help="per model and target, keep the N newest engines no version needs (for a rollback)")
+    parser.add_argument("--cache-gc-grace-seconds", type=_non_negative, default=86400.0,
+                        help="remove an engine only once nothing has needed it for this long "
+                             "(a deleted model's engines too)")
+    parser.add_argument("--cache-gc-dry-run", action="store_true",
+                        help="decide and report (Events EngineRemovable, the GC Job's log), remove nothing")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -84,6 +107,10 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         retry_seconds=args.retry_seconds,
         signal_ttl_seconds=args.signal_ttl_seconds,
         prometheus_url=args.prometheus_url or None,
+        cache_gc_interval_seconds=args.cache_gc_interval_seconds,
+        cache_gc_retention=args.cache_gc_retention,
+        cache_gc_grace_seconds=args.cache_gc_grace_seconds,
+        cache_gc_dry_run=args.cache_gc_dry_run,
     )
 
 

@@ -414,3 +414,82 @@ def route_weights_patch(route: Mapping[str, Any], weights: Mapping[str, int]) ->
         raise ValueError(f"{route.get('kind', 'HTTPRoute')} {meta.get('namespace')}/{meta.get('name')} has no backendRef "
                          f"named {', '.join(missing)}")
     return patch
+
+
+# ------------------------------------------------------------------------ cache garbage collection
+
+GC_PLAN_DIR = "/etc/kiln/cache-gc"
+
+
+ANN_GC_PLAN = "kiln.dev/cache-gc-plan"  # on a GC Job: the ConfigMap that holds its plan
+
+
+def cache_gc_plan_name(job_name: str, decided_at: str) -> str:
+    """A plan ConfigMap per pass (named by its time): a new Job of the same name never
+    reads the plan of an earlier one the garbage collector has not removed yet."""
+    return f"{job_name}-{decided_at}"
+
+
+def cache_gc_job(namespace: str, claim: str, name: str, plan_name: str, config: OperatorConfig) -> dict[str, Any]:
+    """The Job that executes a cache GC plan on one claim (`kiln cache-gc`, read-write mount).
+
+    It runs where builds run (they mount the claim read-write too), reads its plan from the
+    ConfigMap `plan_name` (created first, then owned by the Job), and is bounded: a GC that hangs on a dead
+    volume fails by its deadline and the next pass tries again."""
+    labels = {"app.kubernetes.io/name": "kiln-cache-gc", "app.kubernetes.io/component": "cache-gc", **MANAGED_BY}
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
+                     "annotations": {"kiln.dev/cache-claim": claim, ANN_GC_PLAN: plan_name}},
+        "spec": {
+            "backoffLimit": 0,  # the next pass is the retry
+            "activeDeadlineSeconds": int(config.cache_gc_job_timeout_seconds),
+            "ttlSecondsAfterFinished": 86400,  # if no operator reads it
+            "template": {
+                "metadata": {"labels": dict(labels)},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "nodeSelector": {LABEL_ROLE: "builder"},
+                    "tolerations": [{"key": LABEL_ROLE, "operator": "Equal", "value": "builder",
+                                     "effect": "NoSchedule"}],
+                    "securityContext": _pod_security_context(),
+                    "containers": [{
+                        "name": "cache-gc",
+                        "image": config.builder_image,
+                        "command": ["kiln"],
+                        "args": ["cache-gc", "--plan", f"{GC_PLAN_DIR}/plan.json", "--cache-dir", CACHE_DIR],
+                        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                                      "limits": {"memory": "1Gi"}},
+                        "securityContext": _security_context(),
+                        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
+                                         {"name": "plan", "mountPath": GC_PLAN_DIR, "readOnly": True},
+                                         {"name": "tmp", "mountPath": "/tmp"}],
+                        "terminationMessagePath": contract.TERMINATION_LOG,
+                        "terminationMessagePolicy": "FallbackToLogsOnError",
+                    }],
+                    "volumes": [{"name": "cache", "persistentVolumeClaim": {"claimName": claim}},
+                                {"name": "plan", "configMap": {"name": plan_name}},
+                                {"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def cache_gc_plan(namespace: str, name: str, plan: Mapping[str, Any], report: Mapping[str, Any]) -> dict[str, Any]:
+    """A GC Job's plan (what `kiln cache-gc` reads) and the operator's report of it (what it
+    tells once the Job finished). The operator then makes the Job its owner, so it goes with it."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {"app.kubernetes.io/name": "kiln-cache-gc", **MANAGED_BY}},
+        "data": {"plan.json": json.dumps(dict(plan), sort_keys=True, separators=(",", ":")),
+                 "report.json": json.dumps(dict(report), sort_keys=True, separators=(",", ":"))},
+    }
+
+
+def owned_by_job(job: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that makes `job` an object's owner (it is removed with the Job)."""
+    meta = job["metadata"]
+    return {"metadata": {"ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"],
+                                              "uid": meta.get("uid"), "blockOwnerDeletion": False}]}}

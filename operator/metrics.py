@@ -33,6 +33,17 @@ class OperatorMetrics:
                                           "From a webhook request's receipt to its answer.",
                                           buckets=RECEIVER_BUCKETS, registry=r)
 
+        gc = ["namespace", "claim"]
+        self.cache_gc_runs = Counter("kiln_cache_gc_runs", "Engine-cache GC Jobs finished, by result "
+                                     "(succeeded, failed, dry_run).", [*gc, "result"], registry=r)
+        self.cache_gc_removed_entries = Counter(
+            "kiln_cache_gc_removed_entries", "Engine-cache entries GC removed, by reason (unneeded: no version "
+            "needed it for the grace period; orphan: no engine index entry named it).", [*gc, "reason"], registry=r)
+        self.cache_gc_removed_bytes = Counter("kiln_cache_gc_removed_bytes", "Bytes engine-cache GC removed.",
+                                              gc, registry=r)
+        self.cache_gc_last_success = Gauge("kiln_cache_gc_last_success_timestamp_seconds",
+                                           "When an engine-cache GC Job last succeeded.", gc, registry=r)
+
     def set_autoscaled(self, namespace: str, model: str, auto: dict, replicas: int) -> None:
         self.target.labels(namespace, model).set(int(auto["targetGPUUtilization"]) / 100)
         self.replicas.labels(namespace, model).set(replicas)

@@ -60,7 +60,8 @@ def termination_result(pods: Iterable[Mapping[str, Any]]) -> dict[str, Any] | No
 
 
 def failure_message(state: JobState, pods: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
-    """(reason, message) for a failed build: the Job's condition and what the pod said."""
+    """(reason, message) for a failed build: the Job's condition and what the pod said. The
+    reason is BuildFailed, or OutOfDisk when the build ran out of space on the cache claim."""
     pods = list(pods)
     result = termination_result(pods)
     term = termination_state(pods)
@@ -69,8 +70,12 @@ def failure_message(state: JobState, pods: Iterable[Mapping[str, Any]]) -> tuple
     if result and not result.get("ok"):
         detail = result.get("reason") or ""
         parts.append(f"{detail}: {result.get('message', '')}".strip(": "))
+        if detail == "OutOfDisk":
+            reason = detail
     elif term is not None:
         code = term.get("exitCode")
+        if EXIT_REASONS.get(int(code or 0)) == "OutOfDisk":
+            reason = "OutOfDisk"
         parts.append(f"exit code {code} ({EXIT_REASONS.get(int(code or 0)) or term.get('reason') or 'Error'})"
                      + (f": {term['message'].strip()[-500:]}" if term.get("message") else ""))
     job_part = state.reason + (f": {state.message}" if state.message else "")

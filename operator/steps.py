@@ -65,6 +65,9 @@ class Context:
     plans: dict[str, tuple[str, dict[str, Any], list[str], list[EngineRef]]] = dataclasses.field(
         default_factory=dict)
     refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # uid -> passes refused in a row (backoff)
+    # (namespace, engine index key): taken out of the index by cache GC; what the index view
+    # still shows of it is not believed until a build records it again (cachegc.py).
+    gc_forgotten: set[tuple[str, str]] = dataclasses.field(default_factory=set)
 
     def plan(self, uid: str, raw_spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[EngineRef]]:
         """Defaulted spec, validation problems, engines - computed once per distinct spec
@@ -225,6 +228,7 @@ ANY = None
 PHASES: tuple[tuple[str, dict[str, tuple[str, str | None]]], ...] = (
     ("Failed", {"EngineReady": (cond.FALSE, "InvalidSpec")}),
     ("Failed", {"EngineReady": (cond.FALSE, "BuildFailed"), "Available": (cond.FALSE, ANY)}),
+    ("Failed", {"EngineReady": (cond.FALSE, "OutOfDisk"), "Available": (cond.FALSE, ANY)}),
     ("Degraded", {"Degraded": (cond.TRUE, ANY)}),
     ("Building", {"EngineReady": (cond.FALSE, ANY)}),
     # A canary rollout runs beside the stable version that serves (rollout.canary_progressing's reasons).

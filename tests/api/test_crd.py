@@ -296,7 +296,7 @@ def test_printer_columns_point_into_the_schema():
     paths = {p for p, _ in walk(spec.schema())}
     cols = version["additionalPrinterColumns"]
     assert [c["name"] for c in cols if not c.get("priority")] == [
-        "Phase", "Version", "Engine", "Ready", "Desired", "Scaling", "Canary", "Step", "Age"]
+        "Phase", "Version", "Engine", "Ready", "Desired", "Scaling", "Canary", "Step", "Cache", "Age"]
     for c in cols:
         path = c["jsonPath"].lstrip(".")
         assert path == "metadata.creationTimestamp" or path in paths, c

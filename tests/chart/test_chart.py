@@ -192,6 +192,9 @@ def test_operator_deployment_is_hardened_and_configured():
         "--backend-version=tensorrt=10.13.0",
         "--default-targets=sm80,sm89,sm90",
         "--cache-claim=kiln-engine-cache",
+        "--cache-gc-interval-seconds=3600",
+        "--cache-gc-retention=1",
+        "--cache-gc-grace-seconds=86400",
         "--alert-receiver-port=8081",
         "--alert-token-file=/etc/kiln/alert-token/token",
     ]
@@ -236,8 +239,8 @@ NAMESPACED_RULES = [
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
-    {"apiGroups": [""], "resources": ["configmaps"],
-     "verbs": ["get", "list", "watch", "create", "patch", "update"]},
+    {"apiGroups": [""], "resources": ["configmaps"],  # delete: a cache GC plan a second operator made too
+     "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]

@@ -80,7 +80,7 @@ app.kubernetes.io/component: operator
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [get, list, watch, create, patch, update]
+  verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
