@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -238,22 +239,41 @@ def test_the_operator_passes_the_claim_and_the_engines_name_the_namespace():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Built:
-    return Built(tmp_path_factory.mktemp("usage"))
+    built = Built(tmp_path_factory.mktemp("usage"))
+    # A second, older entry of another model in the same namespace, and one elsewhere.
+    entry(built.cache, "default", "other", "k-old", {"engine.onnx": 4096}, mtime=1_600_000_000)
+    entry(built.cache, "elsewhere", "other", "k", {"engine.onnx": 1})
+    return built
+
+
+def wait_ready(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/models/{NAME}/ready", timeout=5):
+                return
+        except OSError:  # not listening yet, or 503 while it loads
+            assert time.monotonic() < deadline, f"{url} not ready within {timeout} s"
+            time.sleep(0.05)
 
 
 def entry_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def test_kiln_serve_shows_the_cache_on_metrics(built, tmp_path, kiln_process):
-    # A second, older entry of another model in the same namespace, and one elsewhere.
-    entry(built.cache, "default", "other", "k-old", {"engine.onnx": 4096}, mtime=1_600_000_000)
-    entry(built.cache, "elsewhere", "other", "k", {"engine.onnx": 1})
+@pytest.mark.parametrize("workers,engines", [(1, 1), (2, 2)])
+def test_kiln_serve_shows_the_cache_on_metrics(built, tmp_path, kiln_process, workers, engines):
+    # With two engine processes behind two front ends: still one reading, the first engine's.
     p = kiln_process(["serve", "--model-name", NAME, "--cache-dir", str(built.cache),
                       "--engine", f"cpu={built.rel}", "--cache-claim", "kiln-engine-cache",
-                      "--host", "127.0.0.1", "--port", "0", "--no-grpc"], tmp_path)
-    port = int(p.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+                      "--host", "127.0.0.1", "--port", "0", "--no-grpc", "--workers", str(workers),
+                      "--engine-processes", str(engines)], tmp_path)
+    listening = r"front-end worker\(s\) on" if workers > 1 else r"listening on"
+    port = int(p.wait_for(listening + r" 127\.0\.0\.1:(\d+)").group(1))
     url = f"http://127.0.0.1:{port}"
+    wait_ready(url)
+    if engines > 1:
+        p.wait_for(r"engine process 1 serving front ends")
     labels = {"claim": "kiln-engine-cache", "cache_namespace": "default"}
     assert wait_for_metric(url, "kiln_engine_cache_entries", labels, lambda n: n == 2) == 2
     expected = entry_bytes(built.cache / built.rel) + 4096 + 10
@@ -262,6 +282,7 @@ def test_kiln_serve_shows_the_cache_on_metrics(built, tmp_path, kiln_process):
     assert read_metric(url, "kiln_engine_cache_free_bytes", labels) > 0
     capacity = read_metric(url, "kiln_engine_cache_capacity_bytes", labels)
     assert capacity >= read_metric(url, "kiln_engine_cache_used_bytes", labels) > 0
+    assert capacity == os.statvfs(built.cache).f_blocks * os.statvfs(built.cache).f_frsize
 
 
 def test_kiln_dev_shows_the_cache_on_metrics(tmp_path, kiln_process, matmul_onnx):
