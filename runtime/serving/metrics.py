@@ -2,7 +2,8 @@
 
 Each server owns a `ServerMetrics` bound to its own registry, so several servers can run
 in one process (tests, benchmarks) without colliding. Names and labels follow Prometheus
-conventions: base units (seconds, bytes, ratios), `_total` on counters, `model` on all.
+conventions: base units (seconds, bytes, ratios), `_total` on counters, `model` on all but
+the engine cache's gauges (one volume, whatever the model: `claim` and `cache_namespace`).
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ class ServerMetrics:
         r.register(self.engine_cache)
 
 
-# The engine cache's gauges: (name, help). Labelled `claim` (the PVC) and `cache_namespace`
-# (the cache's <namespace>/ directory), not `namespace`: Prometheus gives every runtime
-# series the pod's `namespace` from discovery, and a `namespace` of the series' own would be
-# renamed `exported_namespace` (or, with honor_labels, replace the pod's).
+# The engine cache's gauges, labelled `claim` (the PVC) and `cache_namespace` (the cache's
+# <namespace>/ directory), not `namespace`: Prometheus gives every runtime series the pod's
+# `namespace` from discovery, and a `namespace` of the series' own would be renamed
+# `exported_namespace` (or, with honor_labels, replace the pod's).
 ENGINE_CACHE_LABELS = ("claim", "cache_namespace")
 # name, help, and where the value is in a CacheUsage (its part, the part's field).
 ENGINE_CACHE_GAUGES = (
