@@ -160,6 +160,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
            runtime: dict, cache_dir: Path) -> int:
     import asyncio
 
+    from kiln.runtime.commands.serve import watch_engine_cache
     from kiln.runtime.engine.cache.entry import relative_path
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.model import ServedModel
@@ -170,6 +171,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
 
     async def main() -> None:
         metrics = ServerMetrics()
+        watch_engine_cache(metrics, str(cache_dir), "", namespace)  # no claim: a local directory
         model = ServedModel(name, version, cache_dir,
                             {target: relative_path(namespace, name, key)}, runtime, metrics,
                             target=target)

@@ -27,6 +27,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the version reported in metadata and kiln_model_info")
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                         help="where the engine cache is mounted (default %(default)s)")
+    parser.add_argument("--cache-claim", default="", metavar="NAME",
+                        help="the PersistentVolumeClaim mounted at --cache-dir, the `claim` label "
+                             "of the kiln_engine_cache_* metrics (the operator passes "
+                             "spec.cache.claimName)")
     parser.add_argument("--engine", action="append", required=True, metavar="TARGET=RELPATH",
                         help="an engine entry for a target, relative to --cache-dir, e.g. "
                              "sm90=default/resnet/3f2a…; repeat for each target")
@@ -134,6 +138,20 @@ def engine_threads_setting(runtime: dict, cpus: float | None, workers: int,
     return chosen if chosen is not None else engine_threads(cpus, workers, engine_count)
 
 
+def cache_namespace(engines: dict[str, str]) -> str:
+    """The cache's <namespace>/ directory the model's entries are in: the first part of its
+    first engine path (`<namespace>/<model>/<key>`, as the operator passes them), so the
+    pod needs no downward-API variable to know the part of the cache it reads."""
+    return next(iter(engines.values())).split("/", 1)[0]
+
+
+def watch_engine_cache(metrics, cache_dir: str, claim: str, namespace: str) -> None:
+    """Export the kiln_engine_cache_* gauges of `cache_dir` and `namespace` on `metrics`."""
+    from kiln.runtime.engine.cache.usage import CachedCacheUsage
+
+    metrics.engine_cache.watch(CachedCacheUsage(cache_dir, namespace), claim, namespace)
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serving.rest.connections import ConnectionLimits
     from kiln.runtime.serving.workers.front_end import FrontEndConfig
@@ -188,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         metrics = ServerMetrics()
+        # Here, in the first engine process only: every engine process reads one volume.
+        watch_engine_cache(metrics, args.cache_dir, args.cache_claim, cache_namespace(engines))
         model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
                             runtime, metrics, load_timeout=args.load_timeout_seconds)
         server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,

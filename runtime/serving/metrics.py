@@ -2,12 +2,18 @@
 
 Each server owns a `ServerMetrics` bound to its own registry, so several servers can run
 in one process (tests, benchmarks) without colliding. Names and labels follow Prometheus
-conventions: base units (seconds, bytes, ratios), `_total` on counters, `model` on all.
+conventions: base units (seconds, bytes, ratios), `_total` on counters, `model` on all but
+the engine cache's gauges (one volume, whatever the model: `claim` and `cache_namespace`).
 """
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from kiln.runtime.engine.cache.usage import CacheUsage
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -78,3 +84,53 @@ class ServerMetrics:
             ["model", "version", "engine_key", "backend", "target"], registry=r)
         # GPU utilization and memory come from NVML at scrape time (runtime/engine/gpu.py registers
         # its collector on this registry when a GPU is present; absent otherwise).
+        self.engine_cache = EngineCacheCollector()
+        r.register(self.engine_cache)
+
+
+# The engine cache's gauges, labelled `claim` (the PVC) and `cache_namespace` (the cache's
+# <namespace>/ directory), not `namespace`: Prometheus gives every runtime series the pod's
+# `namespace` from discovery, and a `namespace` of the series' own would be renamed
+# `exported_namespace` (or, with honor_labels, replace the pod's).
+ENGINE_CACHE_LABELS = ("claim", "cache_namespace")
+# name, help, and where the value is in a CacheUsage (its part, the part's field).
+ENGINE_CACHE_GAUGES = (
+    ("kiln_engine_cache_used_bytes", "Bytes used on the engine cache's volume (all of it: every "
+     "namespace's entries and anything else on it).", "volume", "used_bytes"),
+    ("kiln_engine_cache_free_bytes", "Bytes free on the engine cache's volume for a build to "
+     "write (builds fail with ENOSPC at 0).", "volume", "free_bytes"),
+    ("kiln_engine_cache_capacity_bytes", "Size of the engine cache's volume in bytes.",
+     "volume", "capacity_bytes"),
+    ("kiln_engine_cache_entries", "Complete engine entries in this namespace's part of the "
+     "cache (a lower bound past the walk's limit).", "entries", "entries"),
+    ("kiln_engine_cache_entry_bytes", "Bytes of those entries' files.", "entries", "entry_bytes"),
+    ("kiln_engine_cache_oldest_entry_timestamp_seconds", "When the oldest of those entries was "
+     "last used by a build (its directory's mtime, Unix time); absent without entries.",
+     "entries", "oldest_mtime"),
+)
+
+
+class EngineCacheCollector:
+    """The engine cache gauges, read at scrape time from `watch`'s source (a
+    `CachedCacheUsage`): a server that watches no cache exports the names and no samples."""
+
+    def __init__(self):
+        self._source: Callable[[], CacheUsage] | None = None
+        self._labels: list[str] = []
+
+    def watch(self, source: Callable[[], CacheUsage], claim: str, cache_namespace: str) -> None:
+        self._source = source
+        self._labels = [claim, cache_namespace]
+        source()  # the first walk of the entries starts now, not at the first scrape
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc, _, _ in ENGINE_CACHE_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=ENGINE_CACHE_LABELS)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        usage = self._source() if self._source is not None else CacheUsage(None, None)
+        for family, (_, _, part, field) in zip(self.describe(), ENGINE_CACHE_GAUGES):
+            value = getattr(getattr(usage, part), field, None)
+            if value is not None:
+                family.add_metric(self._labels, value)
+            yield family

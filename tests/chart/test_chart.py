@@ -44,6 +44,8 @@ MONITORING_APIS = tuple(f"monitoring.coreos.com/v1/{kind}" for kind in ("Prometh
 SCENARIO_API_VERSIONS = {"monitoring-values.yaml": MONITORING_APIS}
 RULES_FILE = CHART / "files" / "kiln-autoscaling.rules.yaml"
 RULES_KEY = "kiln-autoscaling.rules.yaml"
+CACHE_RULES_FILE = CHART / "files" / "kiln-cache.rules.yaml"
+CACHE_RULES_KEY = "kiln-cache.rules.yaml"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -420,7 +422,7 @@ def test_monitoring_objects_need_their_api_and_their_switch():
     assert {o["kind"] for o in render(scenario("default"))} & kinds == set()
     assert {o["kind"] for o in render(scenario("default"), api_versions=MONITORING_APIS)} >= kinds
     off = ("--set", "autoscaling.prometheusRule.enabled=false", "--set", "monitoring.serviceMonitor.enabled=false",
-           "--set", "monitoring.podMonitor.enabled=false")
+           "--set", "monitoring.podMonitor.enabled=false", "--set", "monitoring.cacheRules.prometheusRule.enabled=false")
     assert {o["kind"] for o in render(scenario("default"), extra=off, api_versions=MONITORING_APIS)} & kinds == set()
     # The operator's /metrics is served by the receiver: without it, nothing to monitor.
     objs = render(scenario("no-receiver"), api_versions=MONITORING_APIS)
@@ -567,6 +569,7 @@ RULE_TESTS = {
     "gpu_visible_test.yaml": (),
     "dcgm_gpu_util_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_DEV_GPU_UTIL",),
     "dcgm_engine_active_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
+    "cache_filling_test.yaml": (),  # the engine cache's rules (kiln-cache.rules.yaml), shipped as they are
 }
 RULE_VARIANTS = {"default": (), "short-windows": SHORT_WINDOWS, **{
     name.removesuffix("_test.yaml"): sets for name, sets in RULE_TESTS.items() if sets}}
@@ -597,9 +600,10 @@ def rules_text(*sets: str) -> str:
     return cm["data"][RULES_KEY]
 
 
-def prometheus_rule(*sets: str) -> dict:
-    (rule,) = by_kind(render(extra=tuple(a for s in sets for a in ("--set", s)), api_versions=MONITORING_APIS),
-                      "PrometheusRule")
+def prometheus_rule(*sets: str, name: str = "kiln-autoscaling") -> dict:
+    (rule,) = [r for r in by_kind(render(extra=tuple(a for s in sets for a in ("--set", s)),
+                                         api_versions=MONITORING_APIS), "PrometheusRule")
+               if r["metadata"]["name"] == name]
     return rule
 
 
@@ -677,9 +681,10 @@ def test_every_rules_unit_test_is_run():
 @pytest.mark.parametrize("test_file", RULE_TESTS)
 def test_promtool_rules_unit_tests(tmp_path, test_file):
     # The test file names `kiln-autoscaling.rules.yaml` beside it: the shipped file, or the rules
-    # rendered with the values this variant is about.
+    # rendered with the values this variant is about; or the shipped `kiln-cache.rules.yaml`.
     sets = RULE_TESTS[test_file]
     (tmp_path / RULES_KEY).write_text(rules_text(*sets) if sets else RULES_FILE.read_text())
+    shutil.copy(CACHE_RULES_FILE, tmp_path / CACHE_RULES_KEY)
     shutil.copy(ROOT / "tests" / "chart" / "rules" / test_file, tmp_path / test_file)
     out = promtool("test", "rules", test_file, cwd=tmp_path)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
@@ -696,6 +701,75 @@ def test_promtool_rules_unit_tests_can_fail(tmp_path):
     shutil.copy(ROOT / "tests" / "chart" / "rules" / "default_test.yaml", tmp_path / "default_test.yaml")
     out = promtool("test", "rules", "default_test.yaml", cwd=tmp_path)
     assert out.returncode != 0 and 'model="bert"' in out.stderr, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ engine cache rules
+
+CACHE_RECORDED = "kiln:engine_cache_used:ratio"
+CACHE_ALERT = "KilnEngineCacheFilling"
+
+
+def cache_rule_objects(*sets: str, api_versions: tuple[str, ...] = MONITORING_APIS) -> list[dict]:
+    objs = render(extra=tuple(a for s in sets for a in ("--set", s)), api_versions=api_versions)
+    return ([o for o in by_kind(objs, "PrometheusRule") if o["metadata"]["name"] == "kiln-cache"]
+            + [o for o in by_kind(objs, "ConfigMap") if CACHE_RULES_KEY in o.get("data", {})])
+
+
+@needs_helm
+def test_the_cache_rules_render_only_when_enabled():
+    (rule,) = cache_rule_objects()
+    assert_valid_monitoring_object(rule)
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    assert rule["spec"] == yaml.safe_load(CACHE_RULES_FILE.read_text())  # the file, as it is
+    (rule,) = cache_rule_objects("monitoring.cacheRules.prometheusRule.labels.release=kube-prometheus-stack")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert cache_rule_objects(api_versions=()) == []  # no Prometheus Operator
+    assert cache_rule_objects("monitoring.cacheRules.prometheusRule.enabled=false") == []
+    (cm,) = cache_rule_objects("monitoring.cacheRules.prometheusRule.enabled=false",
+                               "monitoring.cacheRules.rulesConfigMap.enabled=true",
+                               "monitoring.cacheRules.rulesConfigMap.namespace=monitoring", api_versions=())
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["name"] == "kiln-cache-rules"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["data"] == {CACHE_RULES_KEY: CACHE_RULES_FILE.read_text()}
+
+
+def test_the_cache_rules_are_the_contract():
+    (group,) = yaml.safe_load(CACHE_RULES_FILE.read_text())["groups"]
+    record, alert = group["rules"]
+    assert record["record"] == CACHE_RECORDED and alert["alert"] == CACHE_ALERT
+    assert metric_names(record["expr"]) == {"kiln_engine_cache_used_bytes", "kiln_engine_cache_free_bytes"}
+    assert metric_names(alert["expr"]) == {CACHE_RECORDED, "kiln_engine_cache_free_bytes"}
+    assert metric_names(record["expr"] + alert["expr"]) - {CACHE_RECORDED} <= RUNTIME_METRICS
+    # One number per volume: every pod of a namespace reports it (and `namespace` is the pod's).
+    assert "max by (namespace, claim)" in record["expr"]
+    assert "predict_linear(max by (namespace, claim) (kiln_engine_cache_free_bytes)[6h:5m], 24 * 3600) < 0" in (
+        alert["expr"])
+    assert f"{CACHE_RECORDED} > 0.85" in alert["expr"] and alert["for"] == "15m"
+    # Routed as the user's own warnings, never to Kiln's autoscaling receiver.
+    assert alert["labels"] == {"severity": "warning"} and CACHE_ALERT not in ALERTS
+    assert "{{ $labels.claim }}" in alert["annotations"]["summary"]
+    for words in ("{{ $labels.claim }}", "{{ $value | humanizePercentage }}", "garbage collection", "bigger claim"):
+        assert words in alert["annotations"]["description"], words
+
+
+@needs_promtool
+def test_promtool_checks_the_cache_rules_file():
+    out = promtool("check", "rules", str(CACHE_RULES_FILE))
+    assert out.returncode == 0 and "SUCCESS: 2 rules found" in out.stdout, out.stdout + out.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize("broken", ["< 0", "> 0.85"])
+def test_promtool_cache_unit_tests_can_fail(tmp_path, broken):
+    # Without the prediction (never below -1 PB) or the threshold (above 100%): the filling
+    # claim, or the full one, goes quiet, and the unit tests say so.
+    text = CACHE_RULES_FILE.read_text()
+    assert text.count(broken) == 1
+    (tmp_path / CACHE_RULES_KEY).write_text(text.replace(broken, {"< 0": "< -1e15", "> 0.85": "> 1"}[broken]))
+    shutil.copy(ROOT / "tests" / "chart" / "rules" / "cache_filling_test.yaml", tmp_path / "cache_filling_test.yaml")
+    out = promtool("test", "rules", "cache_filling_test.yaml", cwd=tmp_path)
+    claim = {"< 0": "kiln-engine-cache", "> 0.85": "archive"}[broken]
+    assert out.returncode != 0 and f"claim=\"{claim}\"" in out.stderr, out.stdout + out.stderr
 
 
 # ------------------------------------------------------------------ dashboards
@@ -726,6 +800,20 @@ def test_dashboard_queries_read_only_known_metrics():
             assert 'namespace=~"$namespace"' in expr and 'model=~"$model"' in expr, title
     (alerts_expr,) = [e for _, e in exprs if "ALERTS" in metric_names(e)]
     assert 'kiln_autoscaling="true"' in alerts_expr
+
+
+def test_the_dashboard_shows_the_engine_cache():
+    dashboard = json.loads((CHART / "files" / "dashboards" / "kiln-autoscaling.json").read_text())
+    cache = [(title, expr) for title, expr in panel_exprs(dashboard) if "kiln_engine_cache_" in expr]
+    assert {title for title, _ in cache} == {"Engine cache: used and free", "Engine cache: how full",
+                                             "Engine cache: entries", "Engine cache: oldest entry age"}
+    read = set().union(*(metric_names(e) for _, e in cache))
+    assert read == {"kiln_engine_cache_used_bytes", "kiln_engine_cache_free_bytes", "kiln_engine_cache_entry_bytes",
+                    "kiln_engine_cache_entries", "kiln_engine_cache_oldest_entry_timestamp_seconds"} <= RUNTIME_METRICS
+    for title, expr in cache:  # one line per claim (every pod reports its volume), in the chosen namespaces
+        assert "by (namespace, claim)" in expr and 'namespace=~"$namespace"' in expr, title
+    (age,) = [e for t, e in cache if t == "Engine cache: oldest entry age"]
+    assert age.startswith("time() - min by (namespace, claim)")
 
 
 @needs_promtool

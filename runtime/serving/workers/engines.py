@@ -181,20 +181,22 @@ async def _stop_when_orphaned(stop: asyncio.Event) -> None:
 def merge_metrics(texts: list[bytes], engines: int) -> bytes:
     """The first engine's exposition (`texts[0]`) with the other engines' added in: counters,
     histograms and gauges summed by series, except `kiln_model_ready` (the lowest: ready
-    only when every engine is), the first engine's own `kiln_model_info` and
-    `kiln_engine_load_seconds`, and `kiln_engine_busy_seconds` divided by the engine count
-    (its rate stays the fraction of the pod's engine capacity in use, 0..1)."""
+    only when every engine is), the first engine's own `kiln_model_info`,
+    `kiln_engine_load_seconds` and `kiln_engine_cache_*` (one volume, however many engines
+    read it), and `kiln_engine_busy_seconds` divided by the engine count (its rate stays the
+    fraction of the pod's engine capacity in use, 0..1)."""
     from prometheus_client.core import Metric
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.registry import Collector, CollectorRegistry
 
     own = ("kiln_model_info", "kiln_engine_load_seconds")
+    own_prefixes = ("kiln_gpu_", "kiln_engine_cache_")
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, float]] = {}
     for i, text in enumerate(texts):
         for family in text_string_to_metric_families(text.decode()):
-            if i and (family.name in own or family.name.startswith("kiln_gpu_")):
+            if i and (family.name in own or family.name.startswith(own_prefixes)):
                 continue
             families.setdefault(family.name, family)
             series = values.setdefault(family.name, {})
