@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
+from kiln.runtime.api.contract import NAMESPACE_ENV
 from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.scheduling import batching
 from kiln.runtime.engine.backends.base import InvalidInputError, LoadedEngine
@@ -30,6 +32,7 @@ from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 from kiln.runtime.serving.scheduling.pool import ContextPool, ExecutionError, Slot
 from kiln.runtime.serving.scheduling.resultcache import ResultCache, ResultCacheConfig
+from kiln.runtime.serving.scheduling.resultlevels import ResultLevels
 
 MAX_RETRIES = 2  # re-executions of a failed batch, each on a freshly created context
 UNHEALTHY_AFTER = 3  # consecutive batches that failed every attempt -> not ready
@@ -59,18 +62,35 @@ def _expire(place: asyncio.Future) -> None:
         place.set_result(False)
 
 
+def _result_levels(memory: ResultCache, config: ResultCacheConfig, metrics: ServerMetrics,
+                   model: str, clock: Callable[[], float], environ: Mapping[str, str]) -> ResultLevels:
+    """The result cache's levels: the pod's memory, and the shared store when configured (its
+    keys under the pod's namespace and the model; not connected until the first request)."""
+    if config.shared is None:
+        return ResultLevels(memory, metrics, model)
+    from kiln.runtime.serving.scheduling.resultstore import RedisResultStore, key_prefix
+
+    namespace = environ.get(NAMESPACE_ENV) or "default"  # outside a cluster (kiln dev)
+    store = RedisResultStore(config.shared.address, key_prefix(namespace, model),
+                             password=config.shared.password(environ), timeout=config.shared.timeout)
+    return ResultLevels(memory, metrics, model, store=store, shared=config.shared, clock=clock)
+
+
 class Scheduler:
     """Dynamic batching over a pool of execution contexts of one loaded engine.
 
     `runtime_spec` is the InferenceModel's `spec.runtime` (`contextsPerGPU`, `batching`,
     `resultCache`) with the CRD's defaults applied (`kiln serve` applies them; by hand:
     kiln.runtime.api.spec.runtime_with_defaults); a missing key raises ValueError naming it.
-    `clock` is read for queue delays, queue times and the result cache's TTL.
+    `clock` is read for queue delays, queue times, the result cache's TTL and its shared
+    store's circuit. `environ` holds the pod's namespace (part of the shared store's keys)
+    and the shared store's password.
     """
 
     def __init__(self, engine: LoadedEngine, runtime_spec: Mapping[str, Any] | None,
                  metrics: ServerMetrics, model: str, engine_key: str,
-                 clock: Callable[[], float] = time.monotonic, version: str = ""):
+                 clock: Callable[[], float] = time.monotonic, version: str = "",
+                 environ: Mapping[str, str] = os.environ):
         spec = runtime_spec or {}
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime spec must be a map, got {type(spec).__name__}")
@@ -92,6 +112,9 @@ class Scheduler:
                                 version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
         self.result_cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
                                   model=model, clock=clock) if cache_config.enabled else None)
+        self.results_per_tenant = cache_config.enabled and cache_config.per_tenant
+        self.results = (_result_levels(self.result_cache, cache_config, metrics, model, clock, environ)
+                        if self.result_cache is not None else None)
 
         self._m_queue_seconds = metrics.queue_seconds.labels(model)
         self._m_compute_seconds = metrics.compute_seconds.labels(model)
@@ -167,18 +190,24 @@ class Scheduler:
                     f"the model shut down before the batch finished ({drain_timeout} s drain timeout)"))
             task.cancel()
         await self.pool.close()
+        if self.results is not None:
+            await self.results.close()
 
     # -- requests ----------------------------------------------------------------------
 
-    async def submit(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one request (its own batch of rows in dimension 0) and return its outputs."""
+    async def submit(self, inputs: Mapping[str, np.ndarray], tenant: str = "", *,
+                     shared: bool = True) -> dict[str, np.ndarray]:
+        """Run one request (its own batch of rows in dimension 0) and return its outputs: from
+        the result cache where the model has one (`tenant`'s own entries when results are
+        kept per tenant; `shared` False skips the shared store: the warm-up runs the engine)."""
         rows = self._validate(inputs)
-        key = None
-        if self.result_cache is not None:
-            key = ResultCache.key(self.engine_key, inputs)
-            hit = self.result_cache.get(key)
-            if hit is not None:
-                return hit
+        if self.results is None:
+            return await self._compute(inputs, rows)
+        key = ResultCache.key(self.engine_key, inputs, tenant if self.results_per_tenant else "")
+        return await self.results.answer(key, lambda: self._compute(inputs, rows), shared)
+
+    async def _compute(self, inputs: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+        """Queue the request for the engine and wait for its outputs."""
         if not self._started:
             raise RuntimeError("scheduler not started")
         if self._closing:
@@ -204,8 +233,6 @@ class Scheduler:
             raise
         finally:
             self._inflight -= 1
-        if key is not None:
-            self.result_cache.put(key, outputs)
         return outputs
 
     @property
