@@ -20,20 +20,38 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 import numpy as np
 
+from kiln.runtime.api.contract import NAMESPACE_ENV
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.scheduling import resultcodec
-from kiln.runtime.serving.scheduling.resultcache import ResultCache
+from kiln.runtime.serving.scheduling.resultcache import ResultCache, ResultCacheConfig
 from kiln.runtime.serving.scheduling.resultstore import (Circuit, RedisResultStore, SharedStoreConfig,
-                                                        StoreUnavailable, lock_milliseconds)
+                                                        StoreUnavailable, key_prefix, lock_milliseconds)
 
 Outputs = dict[str, np.ndarray]
 Key = tuple[str, bytes]
 _FIRST_POLL, _MOST_POLL = 0.002, 0.025  # seconds between polls for another replica's answer
 _RETRY = object()  # a coalesced computation ended without an answer (cancelled): try again
+
+
+def result_levels(config: ResultCacheConfig, metrics: ServerMetrics, model: str,
+                  clock: Callable[[], float], environ: Mapping[str, str]) -> "ResultLevels | None":
+    """A model's result cache as configured: None when off; else the pod's memory, and the
+    shared store when set (its keys under the pod's namespace and the model; its password
+    from `environ`; not connected until the first request)."""
+    if not config.enabled:
+        return None
+    memory = ResultCache(config.max_bytes, config.ttl_seconds, metrics=metrics, model=model, clock=clock)
+    if config.shared is None:
+        return ResultLevels(memory, metrics, model, per_tenant=config.per_tenant)
+    namespace = environ.get(NAMESPACE_ENV) or "default"  # outside a cluster (kiln dev)
+    store = RedisResultStore(config.shared.address, key_prefix(namespace, model),
+                             password=config.shared.password(environ), timeout=config.shared.timeout)
+    return ResultLevels(memory, metrics, model, store=store, shared=config.shared, clock=clock,
+                        per_tenant=config.per_tenant)
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,10 +65,11 @@ class ResultLevels:
 
     def __init__(self, memory: ResultCache, metrics: ServerMetrics, model: str, *,
                  store: RedisResultStore | None = None, shared: SharedStoreConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, per_tenant: bool = False):
         if (store is None) != (shared is None):
             raise ValueError("a shared store needs its config, and the config its store")
         self.memory = memory
+        self.per_tenant = per_tenant
         self.store = store
         self.shared = shared
         self._ttl_ms = int(memory.ttl_seconds * 1000)
@@ -67,6 +86,10 @@ class ResultLevels:
                             for r in ("stored", "too_large", "failed")}
             self._written_bytes = metrics.result_cache_shared_written_bytes.labels(model)
             self._evictions = metrics.result_cache_shared_evictions.labels(model)
+
+    def key(self, engine_key: str, inputs: Mapping[str, np.ndarray], tenant: str) -> Key:
+        """The key of a request's answer: the tenant's own only when results are per tenant."""
+        return ResultCache.key(engine_key, inputs, tenant if self.per_tenant else "")
 
     async def answer(self, key: Key, compute: Callable[[], Awaitable[Outputs]],
                      shared: bool = True) -> Outputs:

@@ -24,15 +24,14 @@ from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
-from kiln.runtime.api.contract import NAMESPACE_ENV
 from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.scheduling import batching
 from kiln.runtime.engine.backends.base import InvalidInputError, LoadedEngine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 from kiln.runtime.serving.scheduling.pool import ContextPool, ExecutionError, Slot
-from kiln.runtime.serving.scheduling.resultcache import ResultCache, ResultCacheConfig
-from kiln.runtime.serving.scheduling.resultlevels import ResultLevels
+from kiln.runtime.serving.scheduling.resultcache import ResultCacheConfig
+from kiln.runtime.serving.scheduling.resultlevels import result_levels
 
 MAX_RETRIES = 2  # re-executions of a failed batch, each on a freshly created context
 UNHEALTHY_AFTER = 3  # consecutive batches that failed every attempt -> not ready
@@ -62,20 +61,6 @@ def _expire(place: asyncio.Future) -> None:
         place.set_result(False)
 
 
-def _result_levels(memory: ResultCache, config: ResultCacheConfig, metrics: ServerMetrics,
-                   model: str, clock: Callable[[], float], environ: Mapping[str, str]) -> ResultLevels:
-    """The result cache's levels: the pod's memory, and the shared store when configured (its
-    keys under the pod's namespace and the model; not connected until the first request)."""
-    if config.shared is None:
-        return ResultLevels(memory, metrics, model)
-    from kiln.runtime.serving.scheduling.resultstore import RedisResultStore, key_prefix
-
-    namespace = environ.get(NAMESPACE_ENV) or "default"  # outside a cluster (kiln dev)
-    store = RedisResultStore(config.shared.address, key_prefix(namespace, model),
-                             password=config.shared.password(environ), timeout=config.shared.timeout)
-    return ResultLevels(memory, metrics, model, store=store, shared=config.shared, clock=clock)
-
-
 class Scheduler:
     """Dynamic batching over a pool of execution contexts of one loaded engine.
 
@@ -83,8 +68,7 @@ class Scheduler:
     `resultCache`) with the CRD's defaults applied (`kiln serve` applies them; by hand:
     kiln.runtime.api.spec.runtime_with_defaults); a missing key raises ValueError naming it.
     `clock` is read for queue delays, queue times, the result cache's TTL and its shared
-    store's circuit. `environ` holds the pod's namespace (part of the shared store's keys)
-    and the shared store's password.
+    store's circuit; `environ` for the pod's namespace and the shared store's password.
     """
 
     def __init__(self, engine: LoadedEngine, runtime_spec: Mapping[str, Any] | None,
@@ -110,11 +94,8 @@ class Scheduler:
         self._batch_requests = self.batching.enabled and self._batchable
         self.pool = ContextPool(engine, spec["contextsPerGPU"], metrics, model,
                                 version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
-        self.result_cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
-                                  model=model, clock=clock) if cache_config.enabled else None)
-        self.results_per_tenant = cache_config.enabled and cache_config.per_tenant
-        self.results = (_result_levels(self.result_cache, cache_config, metrics, model, clock, environ)
-                        if self.result_cache is not None else None)
+        self.results = result_levels(cache_config, metrics, model, clock, environ)
+        self.result_cache = self.results.memory if self.results is not None else None
 
         self._m_queue_seconds = metrics.queue_seconds.labels(model)
         self._m_compute_seconds = metrics.compute_seconds.labels(model)
@@ -203,7 +184,7 @@ class Scheduler:
         rows = self._validate(inputs)
         if self.results is None:
             return await self._compute(inputs, rows)
-        key = ResultCache.key(self.engine_key, inputs, tenant if self.results_per_tenant else "")
+        key = self.results.key(self.engine_key, inputs, tenant)
         return await self.results.answer(key, lambda: self._compute(inputs, rows), shared)
 
     async def _compute(self, inputs: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
