@@ -289,6 +289,9 @@ async def test_entries_expire_by_redis_ttl_and_leave_the_index(redis):
         await store.put(store.value_key("key-a", b"n" * 32), b"w" * 10, 60_000, MIB)
         assert await store._client.zcard(f"{store.prefix}idx") == 1
         assert int(await store._client.get(f"{store.prefix}bytes")) == 10
+        # A shorter TTL (another replica's setting) never cuts the index's life short.
+        await store.put(store.value_key("key-a", b"s" * 32), b"s" * 10, 100, MIB)
+        assert await store._client.pttl(f"{store.prefix}idx") > 59_000
     finally:
         await store.close()
 

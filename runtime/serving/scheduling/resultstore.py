@@ -178,7 +178,10 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 redis.call('ZADD', idx, now + ttl, KEYS[1])
 redis.call('HSET', sizes, KEYS[1], size)
 redis.call('INCRBY', total, size)
-for _, k in ipairs({idx, sizes, total}) do redis.call('PEXPIRE', k, ttl) end
+-- The index lives as long as its longest-lived entry (replicas may differ in ttlSeconds).
+for _, k in ipairs({idx, sizes, total}) do
+  if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
+end
 redis.call('DEL', KEYS[2])
 return evicted
 """
