@@ -11,7 +11,8 @@ A request flows door -> dataplane -> model -> scheduler:
   flight (shutdown waits for them) and its outcome (`refusals.OUTCOME` of the refusal's
   kind, once for every door), bounds its size per model, admits it (the queue's wait),
   reads its tenant (a sequence's, or a per-tenant result cache's), runs the inference and
-  checks that every requested output came back; the scheduler's refusals become `Refusal`s here (`refusals.scheduler_refusal`);
+  checks that every requested output came back; the scheduler's refusals become
+  `Refusal`s here (`refusals.scheduler_refusal`);
 - the model (`model.Model`: a `ServedModel` in this process, a `RemoteModel` in a
   front-end process) steps a sequence or submits to its scheduler, which batches.
 

@@ -1,13 +1,13 @@
 """An opt-in cache of inference results, for models that see the same inputs again: this
 pod's level (the shared level behind it is resultstore.py; resultlevels.py asks both).
 
-Key: the engine key plus a canonical digest of the input tensors (names, dtypes, shapes
-and bytes), the tenant when the model keeps results per tenant, and the outputs kept ("*":
-every output the engine returns, whatever a request asked for, so one entry answers every
-choice of outputs), so a new engine never answers from an old engine's results. Bounded in bytes
-with least-recently-used eviction, and entries expire after a TTL read from an injected
-clock. Stored arrays are private read-only copies and every hit returns fresh copies, so
-no caller can change what another caller will read.
+Key: the engine key (so a new engine never answers from an old engine's results) plus a
+digest of the tenant when the model keeps results per tenant, of the outputs kept ("*":
+every output the engine returns, whatever a request asked for, so one entry answers any
+choice of outputs) and of the input tensors, canonically (names, dtypes, shapes and
+bytes). Bounded in bytes with least-recently-used eviction, and entries expire after a TTL
+read from an injected clock. Stored arrays are private read-only copies and every hit
+returns fresh copies, so no caller can change what another caller will read.
 """
 
 from __future__ import annotations
