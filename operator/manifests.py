@@ -278,7 +278,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
     }
-    env = sequence_env(runtime) + device_env(engines)
+    env = _unique_names(sequence_env(runtime) + result_cache_env(runtime)) + device_env(engines)
     if env:
         container["env"] = env
     pod_spec: dict[str, Any] = {
@@ -333,6 +333,29 @@ def sequence_env(runtime: Mapping[str, Any]) -> list[dict[str, Any]]:
         env.append({"name": contract.SEQUENCE_STORE_PASSWORD_ENV,
                     "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
     return env
+
+
+def result_cache_env(runtime: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The runtime container's environment for a shared result cache (resultCache.shared):
+    the pod's namespace (part of every key) and the store's password from its Secret, never
+    in the args. Nothing without a shared level, so other pod templates are unchanged."""
+    cache = runtime.get("resultCache") or {}
+    shared = cache.get("shared")
+    if not (cache.get("enabled") and shared):
+        return []
+    env: list[dict[str, Any]] = [{"name": contract.NAMESPACE_ENV,
+                                  "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    ref = shared.get("passwordSecretRef")
+    if ref:
+        env.append({"name": contract.RESULT_STORE_PASSWORD_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}})
+    return env
+
+
+def _unique_names(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first of each name (sequences and the result cache both want the namespace)."""
+    seen: set[str] = set()
+    return [e for e in env if not (e["name"] in seen or seen.add(e["name"]))]
 
 
 def device_env(engines: list[EngineRef]) -> list[dict[str, Any]]:

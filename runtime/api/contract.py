@@ -66,6 +66,8 @@ LOAD_TIMEOUT_SECONDS = 600.0
 # Secret; never in the args), and the one that names the pod's namespace (part of the keys).
 SEQUENCE_STORE_PASSWORD_ENV = "KILN_SEQUENCE_STORE_PASSWORD"
 NAMESPACE_ENV = "KILN_NAMESPACE"
+# The shared result cache (spec.runtime.resultCache.shared): its store's password, the same way.
+RESULT_STORE_PASSWORD_ENV = "KILN_RESULT_STORE_PASSWORD"
 # The NVIDIA container toolkit's variable naming the GPUs a container gets (the device plugin
 # sets it in pods that ask for GPUs; the runtime exports only those). A runtime pod whose
 # engines all run on the CPU gets `void`: no GPU and no driver, whatever its image says.

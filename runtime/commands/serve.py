@@ -124,6 +124,17 @@ def runtime_spec_with_defaults(text: str) -> dict:
     return spec.runtime_with_defaults(runtime)
 
 
+def check_result_cache(runtime: dict, environ=os.environ) -> None:
+    """spec.runtime.resultCache checked before anything starts: a bad spec (or a shared store
+    whose password the operator should have passed and did not) is a clear ValueError at
+    start, not a model that fails to load later."""
+    from kiln.runtime.serving.scheduling.resultcache import ResultCacheConfig
+
+    config = ResultCacheConfig.from_spec(runtime.get("resultCache"))
+    if config.enabled and config.shared is not None:
+        config.shared.password(environ)
+
+
 def engine_threads_setting(runtime: dict, cpus: float | None, workers: int,
                            engine_count: int) -> int | None:
     """The ONNX Runtime intra-op threads of each engine process: $KILN_ORT_INTRA_OP_THREADS
@@ -168,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engines = parse_engines(args.engine)
         runtime = runtime_spec_with_defaults(args.runtime_spec)
+        check_result_cache(runtime)
         event_loop = event_loop_choice()
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")

@@ -10,8 +10,9 @@ A request flows door -> dataplane -> model -> scheduler:
   new work while draining or while the model does not serve, counts each request in
   flight (shutdown waits for them) and its outcome (`refusals.OUTCOME` of the refusal's
   kind, once for every door), bounds its size per model, admits it (the queue's wait),
-  reads its tenant, runs the inference and checks that every requested output came
-  back; the scheduler's refusals become `Refusal`s here (`refusals.scheduler_refusal`);
+  reads its tenant (a sequence's, or a per-tenant result cache's), runs the inference and
+  checks that every requested output came back; the scheduler's refusals become
+  `Refusal`s here (`refusals.scheduler_refusal`);
 - the model (`model.Model`: a `ServedModel` in this process, a `RemoteModel` in a
   front-end process) steps a sequence or submits to its scheduler, which batches.
 
@@ -43,7 +44,7 @@ from kiln.runtime.serving.model import LOADING, UNHEALTHY, Model
 from kiln.runtime.serving.refusals import (NOT_READY_RETRY_AFTER, OUTCOME, Kind, ModelUnavailable,
                                            Refusal, scheduler_refusal)
 from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded
-from kiln.runtime.serving.sequences.params import request_tenant
+from kiln.runtime.serving.sequences.params import request_tenant, tenant_of
 
 log = logging.getLogger("kiln.runtime.serving.dataplane")
 
@@ -265,12 +266,14 @@ class Call:
                     headers: Callable[[], Iterable[tuple[str, str]]],
                     outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """Run the request: `headers()` (every (name, value) received) are read for its
-        tenant only when it names a sequence; `outputs`, the names it asked for, must all
-        come back."""
+        tenant only when it names a sequence or the model keeps cached results per tenant;
+        `outputs`, the names it asked for, must all come back."""
         self.in_scheduler = True
         model = self.model
         try:
-            results = await model.infer(inputs, parameters, request_tenant(parameters, headers))
+            tenant = (tenant_of(headers()) if model.results_per_tenant
+                      else request_tenant(parameters, headers))
+            results = await model.infer(inputs, parameters, tenant)
         except (InvalidBatch, Overloaded, ExecutionFailed) as e:
             raise scheduler_refusal(model.name, e) from None
         missing = [name for name in outputs if name not in results]

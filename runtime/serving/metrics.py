@@ -67,6 +67,27 @@ class ServerMetrics:
             ["model"], registry=r)
         self.result_cache_bytes = Gauge(
             "kiln_result_cache_bytes", "Bytes held by the result cache.", ["model"], registry=r)
+        self.result_cache_coalesced = Counter(
+            "kiln_result_cache_coalesced", "Result cache misses answered by an identical "
+            "request's computation already running in this pod.", ["model"], registry=r)
+        self.result_cache_shared = Counter(
+            "kiln_result_cache_shared_requests", "Shared result store lookups after a miss in "
+            "the pod's memory, by result (hit, miss, corrupt: a value that failed its checks, "
+            "unavailable: the store down, slow or skipped, waited: another replica's answer "
+            "waited for).", ["model", "result"], registry=r)
+        self.result_cache_shared_writes = Counter(
+            "kiln_result_cache_shared_writes", "Results offered to the shared store, by result "
+            "(stored, too_large: over maxEntryKiB or not shareable, failed).",
+            ["model", "result"], registry=r)
+        self.result_cache_shared_written_bytes = Counter(
+            "kiln_result_cache_shared_written_bytes", "Bytes written to the shared result store.",
+            ["model"], registry=r)
+        self.result_cache_shared_evictions = Counter(
+            "kiln_result_cache_shared_evictions", "Older entries evicted from the shared store "
+            "by this pod's writes to keep the model under its maxMiB.", ["model"], registry=r)
+        self.result_cache_shared_available = Gauge(
+            "kiln_result_cache_shared_available", "1 while the shared result store answers, 0 "
+            "while it is skipped after a failure.", ["model"], registry=r)
         self.sequences_live = Gauge(
             "kiln_sequences_live", "Stateful sequences whose state this replica holds in "
             "memory (spec.runtime.sequences).", ["model"], registry=r)

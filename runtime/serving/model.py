@@ -74,6 +74,8 @@ class Model(Protocol):
     def profiles(self) -> Mapping[str, ShapeRange]: ...
     @property
     def max_rows(self) -> int | None: ...  # the largest batch one request may carry
+    @property
+    def results_per_tenant(self) -> bool: ...  # its result cache keeps each tenant's apart
 
     def status_message(self) -> str: ...
 
@@ -178,6 +180,13 @@ class ServedModel:
         return self.scheduler.max_rows if self.scheduler is not None else None
 
     @property
+    def results_per_tenant(self) -> bool:
+        """Whether requests need their tenant read (`resultCache.perTenant`), known from the
+        spec before the load, so no request reaches the cache without it."""
+        cache = self.runtime_spec.get("resultCache") or {}
+        return bool(cache.get("enabled") and cache.get("perTenant"))
+
+    @property
     def inputs(self) -> list[TensorSpec]:
         """The inputs a client sends: a stateful model's state inputs are the server's."""
         return [s for s in self.engine.inputs if s.name not in self._state_tensors] \
@@ -278,7 +287,7 @@ class ServedModel:
         batching = self.runtime_spec.get("batching") or {}
         max_batch = batching.get("maxBatchSize") if batching.get("enabled", True) else None
         sample = warmup_inputs(list(self.engine.inputs), self.profiles, max_batch)
-        outputs = await self.scheduler.submit(sample)
+        outputs = await self.scheduler.submit(sample, shared=False)  # the engine must run
         missing = [o.name for o in self.engine.outputs if o.name not in outputs]
         if missing:
             raise ModelLoadError(f"warm-up returned no {', '.join(missing)}")
@@ -359,7 +368,8 @@ class ServedModel:
     async def infer(self, inputs: dict[str, np.ndarray], parameters: Mapping[str, Any] | None = None,
                     tenant: str = "") -> dict[str, np.ndarray]:
         """Run one request. A stateful model (spec.runtime.sequences) steps the sequence the
-        request's `parameters` name (runtime/serving/sequences/manager.py); `tenant` owns it."""
+        request's `parameters` name (runtime/serving/sequences/manager.py); `tenant` owns it,
+        and owns the cached results of a model that keeps them per tenant."""
         if self.sequences is not None:
             return await self.sequences.step(inputs, parameters, tenant)
         from kiln.runtime.serving.sequences.params import names_sequence
@@ -368,14 +378,14 @@ class ServedModel:
             from kiln.runtime.serving.protocol import bad_request
             raise bad_request(f"model '{self.name}' is not stateful (no spec.runtime.sequences): "
                               f"drop the sequence_id parameter")
-        return await self._submit(inputs)
+        return await self._submit(inputs, tenant)
 
-    async def _submit(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def _submit(self, inputs: dict[str, np.ndarray], tenant: str = "") -> dict[str, np.ndarray]:
         scheduler = self.scheduler
         if scheduler is None:  # closed after a drain timeout, or never loaded
             from kiln.runtime.serving.scheduling.errors import ShuttingDown
             raise ShuttingDown(1.0, self.status_message())
-        return await scheduler.submit(inputs)
+        return await scheduler.submit(inputs, tenant)
 
     async def close(self, drain_timeout: float) -> None:
         """Finish what the scheduler holds (up to the timeout), then free the engine."""

@@ -1,10 +1,13 @@
-"""An opt-in cache of inference results, for models that see the same inputs again.
+"""An opt-in cache of inference results, for models that see the same inputs again: this
+pod's level (the shared level behind it is resultstore.py; resultlevels.py asks both).
 
-Key: the engine key plus a canonical digest of the input tensors (names, dtypes, shapes
-and bytes), so a new engine never answers from an old engine's results. Bounded in bytes
-with least-recently-used eviction, and entries expire after a TTL read from an injected
-clock. Stored arrays are private read-only copies and every hit returns fresh copies, so
-no caller can change what another caller will read.
+Key: the engine key (so a new engine never answers from an old engine's results) plus a
+digest of the tenant when the model keeps results per tenant, of the outputs kept ("*":
+every output the engine returns, whatever a request asked for, so one entry answers any
+choice of outputs) and of the input tensors, canonically (names, dtypes, shapes and
+bytes). Bounded in bytes with least-recently-used eviction, and entries expire after a TTL
+read from an injected clock. Stored arrays are private read-only copies and every hit
+returns fresh copies, so no caller can change what another caller will read.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import numpy as np
 
 from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.scheduling.resultstore import SharedStoreConfig
 
 MIB = 1 << 20
+_KEYS = ("enabled", "maxMiB", "ttlSeconds", "perTenant", "shared")
+_REQUIRED = ("enabled", "maxMiB", "ttlSeconds")
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class ResultCacheConfig:
     enabled: bool
     max_bytes: int
     ttl_seconds: float
+    shared: SharedStoreConfig | None = None  # the level the replicas share; None: this pod's only
+    per_tenant: bool = False  # results kept apart per tenant (sequences.params.tenant_of)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -39,6 +47,8 @@ class ResultCacheConfig:
         if isinstance(self.ttl_seconds, bool) or not isinstance(self.ttl_seconds, (int, float)) \
                 or self.ttl_seconds <= 0:
             raise ValueError(f"resultCache.ttlSeconds must be > 0, got {self.ttl_seconds!r}")
+        if not isinstance(self.per_tenant, bool):
+            raise ValueError(f"resultCache.perTenant must be true or false, got {self.per_tenant!r}")
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> "ResultCacheConfig":
@@ -47,21 +57,44 @@ class ResultCacheConfig:
         spec = spec or {}
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime.resultCache must be a map, got {type(spec).__name__}")
-        keys = ("enabled", "maxMiB", "ttlSeconds")
-        unknown = set(spec) - set(keys)
+        unknown = set(spec) - set(_KEYS)
         if unknown:
             raise ValueError(f"runtime.resultCache has unknown keys {sorted(unknown)}")
-        require_keys(spec, keys, "runtime.resultCache")
+        # perTenant is defaulted by the CRD too, but a spec written before it existed means false.
+        require_keys(spec, _REQUIRED, "runtime.resultCache")
         max_mib = spec["maxMiB"]
         if isinstance(max_mib, bool) or not isinstance(max_mib, int) or max_mib < 1:
             raise ValueError(f"resultCache.maxMiB must be a positive integer, got {max_mib!r}")
-        return cls(enabled=spec["enabled"], max_bytes=max_mib * MIB, ttl_seconds=spec["ttlSeconds"])
+        return cls(enabled=spec["enabled"], max_bytes=max_mib * MIB, ttl_seconds=spec["ttlSeconds"],
+                   shared=SharedStoreConfig.from_spec(spec.get("shared")),
+                   per_tenant=spec.get("perTenant", False))
 
 
 def input_digest(inputs: Mapping[str, np.ndarray]) -> bytes:
     """A canonical digest of the tensors: the same names, dtypes, shapes and bytes give the
     same digest whatever the dict order or memory layout; any difference, another digest."""
     h = hashlib.blake2b(digest_size=32)
+    _hash_tensors(h, inputs)
+    return h.digest()
+
+
+# What an entry holds: every output. Part of the digest, so that a future entry holding only
+# the requested outputs can never be read as a whole one.
+ALL_OUTPUTS = "*"
+
+
+def request_digest(inputs: Mapping[str, np.ndarray], tenant: str = "") -> bytes:
+    """The digest of one request's answer: the tenant ("" when results are shared by every
+    tenant), the outputs kept, and the inputs (`input_digest`'s canonical form)."""
+    h = hashlib.blake2b(digest_size=32, person=b"kiln-request")
+    for field in (tenant.encode(), ALL_OUTPUTS.encode()):
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
+    _hash_tensors(h, inputs)
+    return h.digest()
+
+
+def _hash_tensors(h: Any, inputs: Mapping[str, np.ndarray]) -> None:
     for name in sorted(inputs):
         a = inputs[name]
         # Length-prefixed fields, so no two different tensor sets hash the same stream.
@@ -71,7 +104,6 @@ def input_digest(inputs: Mapping[str, np.ndarray]) -> bytes:
         data = np.ascontiguousarray(a)
         h.update(data.nbytes.to_bytes(8, "little"))
         h.update(memoryview(data).cast("B"))
-    return h.digest()
 
 
 @dataclass
@@ -101,10 +133,10 @@ class ResultCache:
             self._hits = self._misses = self._evictions = self._bytes_gauge = None
 
     @staticmethod
-    def key(engine_key: str, inputs: Mapping[str, np.ndarray]) -> tuple[str, bytes]:
+    def key(engine_key: str, inputs: Mapping[str, np.ndarray], tenant: str = "") -> tuple[str, bytes]:
         if not isinstance(engine_key, str) or not engine_key:
             raise ValueError("engine_key must be a non-empty string")
-        return engine_key, input_digest(inputs)
+        return engine_key, request_digest(inputs, tenant)
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ from kiln.runtime.engine.backends.base import InvalidInputError, LoadedEngine
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 from kiln.runtime.serving.scheduling.pool import ContextPool, ExecutionError, Slot
-from kiln.runtime.serving.scheduling.resultcache import ResultCache, ResultCacheConfig
+from kiln.runtime.serving.scheduling.resultcache import ResultCacheConfig
+from kiln.runtime.serving.scheduling.resultlevels import result_levels
 
 MAX_RETRIES = 2  # re-executions of a failed batch, each on a freshly created context
 UNHEALTHY_AFTER = 3  # consecutive batches that failed every attempt -> not ready
@@ -65,12 +67,14 @@ class Scheduler:
     `runtime_spec` is the InferenceModel's `spec.runtime` (`contextsPerGPU`, `batching`,
     `resultCache`) with the CRD's defaults applied (`kiln serve` applies them; by hand:
     kiln.runtime.api.spec.runtime_with_defaults); a missing key raises ValueError naming it.
-    `clock` is read for queue delays, queue times and the result cache's TTL.
+    `clock` is read for queue delays, queue times, the result cache's TTL and its shared
+    store's circuit; `environ` for the pod's namespace and the shared store's password.
     """
 
     def __init__(self, engine: LoadedEngine, runtime_spec: Mapping[str, Any] | None,
                  metrics: ServerMetrics, model: str, engine_key: str,
-                 clock: Callable[[], float] = time.monotonic, version: str = ""):
+                 clock: Callable[[], float] = time.monotonic, version: str = "",
+                 environ: Mapping[str, str] = os.environ):
         spec = runtime_spec or {}
         if not isinstance(spec, Mapping):
             raise ValueError(f"runtime spec must be a map, got {type(spec).__name__}")
@@ -90,8 +94,8 @@ class Scheduler:
         self._batch_requests = self.batching.enabled and self._batchable
         self.pool = ContextPool(engine, spec["contextsPerGPU"], metrics, model,
                                 version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
-        self.result_cache = (ResultCache(cache_config.max_bytes, cache_config.ttl_seconds, metrics=metrics,
-                                  model=model, clock=clock) if cache_config.enabled else None)
+        self.results = result_levels(cache_config, metrics, model, clock, environ)
+        self.result_cache = self.results.memory if self.results is not None else None
 
         self._m_queue_seconds = metrics.queue_seconds.labels(model)
         self._m_compute_seconds = metrics.compute_seconds.labels(model)
@@ -167,18 +171,24 @@ class Scheduler:
                     f"the model shut down before the batch finished ({drain_timeout} s drain timeout)"))
             task.cancel()
         await self.pool.close()
+        if self.results is not None:
+            await self.results.close()
 
     # -- requests ----------------------------------------------------------------------
 
-    async def submit(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one request (its own batch of rows in dimension 0) and return its outputs."""
+    async def submit(self, inputs: Mapping[str, np.ndarray], tenant: str = "", *,
+                     shared: bool = True) -> dict[str, np.ndarray]:
+        """Run one request (its own batch of rows in dimension 0) and return its outputs: from
+        the result cache where the model has one (`tenant`'s own entries when results are
+        kept per tenant; `shared` False skips the shared store: the warm-up runs the engine)."""
         rows = self._validate(inputs)
-        key = None
-        if self.result_cache is not None:
-            key = ResultCache.key(self.engine_key, inputs)
-            hit = self.result_cache.get(key)
-            if hit is not None:
-                return hit
+        if self.results is None:
+            return await self._compute(inputs, rows)
+        key = self.results.key(self.engine_key, inputs, tenant)
+        return await self.results.answer(key, lambda: self._compute(inputs, rows), shared)
+
+    async def _compute(self, inputs: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+        """Queue the request for the engine and wait for its outputs."""
         if not self._started:
             raise RuntimeError("scheduler not started")
         if self._closing:
@@ -204,8 +214,6 @@ class Scheduler:
             raise
         finally:
             self._inflight -= 1
-        if key is not None:
-            self.result_cache.put(key, outputs)
         return outputs
 
     @property

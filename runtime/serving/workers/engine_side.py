@@ -37,7 +37,8 @@ def model_state(models: Mapping[str, ServedModel]) -> dict[str, dict[str, Any]]:
             "version": m.version, "state": m.state, "ready": ready, "serving": m.serving,
             "message": m.status_message(), "platform": m.platform,
             "loaded": m.loaded, "inputs": m.inputs, "outputs": m.outputs,
-            "profiles": m.profiles, "max_rows": m.max_rows, "join_rows": _join_rows(m)}
+            "profiles": m.profiles, "max_rows": m.max_rows, "join_rows": _join_rows(m),
+            "results_per_tenant": m.results_per_tenant}
     return state
 
 

@@ -102,6 +102,10 @@ class RemoteModel:
     def max_rows(self) -> int | None:
         return self._state.get("max_rows")
 
+    @property
+    def results_per_tenant(self) -> bool:
+        return bool(self._state.get("results_per_tenant"))
+
     def status_message(self) -> str:
         if self._gone:
             return f"model '{self.name}' is shutting down"
