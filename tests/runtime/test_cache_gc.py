@@ -22,7 +22,7 @@ from kiln.runtime.api import enginekey
 
 NS = "ml"
 KILN = str(Path(sys.executable).parent / "kiln")
-T0 = 1_700_000_000.0  # when every entry here was last used (in the past), unless a test says otherwise
+T0 = 1_700_000_000.0  # when each entry here was last used (in the past), unless told otherwise
 ENGINE = b"engine-bytes" * 100
 
 

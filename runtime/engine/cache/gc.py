@@ -109,7 +109,8 @@ class Removal:
     model: str
     key: str  # an entry's key, or the debris' name
     bytes: int
-    reason: str  # "unneeded" (the plan's), "orphan"; debris: "trash", "temporary", "quarantine", "symlink"
+    # "unneeded" (the plan's), "orphan"; debris: "trash", "temporary", "quarantine", "symlink"
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,10 @@ def collect(root: str | os.PathLike, plan: Plan, *, dry_run: bool = False,
     nothing and reports the same. `now` (epoch seconds) dates orphans and debris. Raises
     CacheError when the namespace directory is not a directory (a link is not followed)."""
     started = time.monotonic()
-    run = _Executor(plan, Outcome(dry_run or plan.dry_run), now=time.time() if now is None else now,
-                    stale_seconds=stale_seconds, lock_timeout=lock_timeout,
-                    settle_seconds=settle_seconds, log=log or (lambda _m: None))
+    run = _Executor(plan, Outcome(dry_run or plan.dry_run),
+                    now=time.time() if now is None else now, stale_seconds=stale_seconds,
+                    lock_timeout=lock_timeout, settle_seconds=settle_seconds,
+                    log=log or (lambda _m: None))
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
@@ -182,8 +184,11 @@ class _Executor:
     lock_timeout: float
     settle_seconds: float
     log: Log
+    planned: dict[str, set[str]] = field(default_factory=dict)  # model -> the plan's keys
 
     def namespace(self, ns_fd: int) -> None:
+        for model, key in self.plan.remove:
+            self.planned.setdefault(model, set()).add(key)
         with os.scandir(ns_fd) as it:
             dirents = sorted(it, key=lambda e: e.name)
         scanned: set[str] = set()
@@ -217,7 +222,7 @@ class _Executor:
             return None
         plan, due = self.plan, {}
         try:
-            planned = {k for m, k in plan.remove if m == model}
+            planned = self.planned.get(model, set())
             with os.scandir(mfd) as it:
                 dirents = sorted(it, key=lambda e: e.name)
             for e in dirents:
