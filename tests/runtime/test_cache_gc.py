@@ -176,6 +176,19 @@ def test_quarantine_moves_an_entry_aside_where_readers_do_not_look_and_gc_remove
     assert not aside.exists()
 
 
+def test_what_is_not_a_directory_goes_whole(tmp_path):
+    """A plain file where an entry belongs (publish never makes one), and a file left as
+    trash: removed, nothing left behind."""
+    model_dir = tmp_path / NS / "m"
+    model_dir.mkdir(parents=True)
+    (model_dir / "stray").write_bytes(b"12345")
+    (model_dir / ".trash-file").write_bytes(b"1")
+    os.utime(model_dir / "stray", (T0, T0))
+    out = collect(tmp_path, plan([("m", "stray")]), now=T0 + 100, settle_seconds=0)
+    assert [(r.key, r.bytes) for r in out.entries] == [("stray", 5)]
+    assert [r.reason for r in out.debris] == ["trash"] and names(model_dir) == [GC_LOCK]
+
+
 def test_links_are_unlinked_never_followed(tmp_path):
     outside = tmp_path / "outside"
     victim = entry(outside, "m", 0)

@@ -272,7 +272,7 @@ class _Executor:
                             dir_fd=mfd):
                 trash = self.remove_entries(mfd, model, candidates)
             for name in trash:  # deleted unlocked: no reader looks at a .trash- name
-                shutil.rmtree(name, ignore_errors=True, dir_fd=mfd)
+                _delete(mfd, name)
         except LockTimeout:
             self.out.skipped += [Skip(model, k, "locked") for k in sorted(candidates)]
         except OSError as e:  # the lock file is a link, say
@@ -325,16 +325,11 @@ class _Executor:
         removal = Removal(model, "" if name == model else name, _tree_bytes(dir_fd, name),
                           reason)
         if not self.out.dry_run:
-            try:
-                if reason == "temporary":
-                    # Only a dead writer's (its lock is free), or one without a lock file.
-                    if not remove_dead_temporary(dir_fd, name, lockless_too=True):
-                        return
-                elif stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
-                else:
-                    os.unlink(name, dir_fd=dir_fd)
-            except FileNotFoundError:
+            if reason == "temporary" and stat.S_ISDIR(st.st_mode):
+                # Only a dead writer's (its lock is free), or one without a lock file.
+                if not remove_dead_temporary(dir_fd, name, lockless_too=True):
+                    return
+            elif not _delete(dir_fd, name):
                 return
         self.removed(removal, self.out.debris)
 
@@ -343,6 +338,18 @@ class _Executor:
         where = "/".join(p for p in (self.plan.namespace, removal.model, removal.key) if p)
         self.log(f"{'would remove' if self.out.dry_run else 'removed'} {where} "
                  f"({removal.bytes} bytes, {removal.reason})")
+
+
+def _delete(dir_fd: int, name: str) -> bool:
+    """Delete a directory tree, a file or a link in `dir_fd`; whether it was there."""
+    try:
+        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _trash_name(key: str) -> str:
