@@ -2,6 +2,7 @@
 
     kiln operator   the kopf operator (operator Deployment)
     kiln build      build one engine and publish it into the cache (build Job)
+    kiln cache-gc   remove the engine-cache entries a plan names, orphans and debris (GC Job)
     kiln serve      serve a cached engine over the Open Inference Protocol (runtime pod)
     kiln dev        build and serve an InferenceModel manifest on this machine
     kiln rollout    show, promote or abort an InferenceModel's canary rollout
@@ -29,6 +30,7 @@ from kiln import __version__
 SUBCOMMANDS = {
     "operator": ("kiln.operator.main", "operator"),
     "build": ("kiln.runtime.commands.build", "runtime"),
+    "cache-gc": ("kiln.runtime.commands.cache_gc", "runtime"),
     "serve": ("kiln.runtime.commands.serve", "runtime"),
     "dev": ("kiln.runtime.commands.dev", "runtime"),
     "rollout": ("kiln.operator.rollout_cli", "operator"),

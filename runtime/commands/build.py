@@ -32,19 +32,19 @@ Exit codes (reason):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import sys
 from pathlib import Path
-from typing import Any
 
 from kiln.runtime.api.contract import CACHE_DIR as DEFAULT_CACHE_DIR
 from kiln.runtime.api.contract import PVC_ROOT as DEFAULT_PVC_ROOT
 from kiln.runtime.api.contract import TERMINATION_LOG as DEFAULT_TERMINATION_LOG
 from kiln.runtime.api.errors import BadRequest, BuildError, Unsupported
+from kiln.runtime.commands.termination import (result_json, stderr_logger, termination_log,
+                                               write_result)
 
-TERMINATION_LOG_LIMIT = 4096  # Kubernetes keeps at most 4 KiB of a termination message
+__all__ = ["configure", "run", "result_json"]  # result_json: what the termination log holds
+
+stderr_log = stderr_logger("build")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,37 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"when writable)")
 
 
-def stderr_log(message: str) -> None:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    print(f"{now[:-4]}Z kiln build: {message}", file=sys.stderr, flush=True)
-
-
-def _termination_log(path: str | None) -> Path | None:
-    if path:
-        return Path(path)
-    default = Path(DEFAULT_TERMINATION_LOG)
-    return default if os.access(default, os.W_OK) else None
-
-
-def result_json(result: dict[str, Any]) -> str:
-    """The termination message, shortened to fit Kubernetes' 4 KiB."""
-    text = json.dumps(result, separators=(",", ":"))
-    while len(text.encode()) > TERMINATION_LOG_LIMIT and result.get("message"):
-        message = result["message"]
-        result = {**result, "message": message[: max(0, len(message) - 256)] + "…"}
-        if len(result["message"]) <= 1:
-            result["message"] = ""
-        text = json.dumps(result, separators=(",", ":"))
-    return text
-
-
-def _write_result(path: Path | None, result: dict[str, Any]) -> None:
-    if path is None:
-        return
-    try:
-        path.write_text(result_json(result))
-    except OSError as e:
-        stderr_log(f"cannot write the termination log {path}: {e}")
+def _write_result(path: Path | None, result: dict) -> None:
+    write_result(path, result, stderr_log)
 
 
 def _failed(term: Path | None, e: BuildError) -> int:
@@ -101,7 +72,7 @@ def _failed(term: Path | None, e: BuildError) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    term = _termination_log(args.termination_log)
+    term = termination_log(args.termination_log)
     try:
         try:
             text = (Path(args.request_file).read_text() if args.request_file

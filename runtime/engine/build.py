@@ -173,7 +173,8 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     `allow_local_files`: read file:// URIs and plain paths (only `kiln dev` sets it; a build
     Job must not read its node's disk)."""
     from kiln.runtime.engine import fetch
-    from kiln.runtime.engine.cache.entry import CacheError, entry_dir, lookup, relative_path
+    from kiln.runtime.engine.cache.entry import CacheError, entry_dir, relative_path
+    from kiln.runtime.engine.cache.gclock import LockTimeout, use_entry
     from kiln.runtime.engine.cache.publish import publish, remove_dead_temporaries
     from kiln.runtime.api import enginekey
     from kiln.runtime.engine.backends import base, get_backend
@@ -198,7 +199,10 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     entry = entry_dir(cache_dir, request.namespace, request.name, key)
     quarantined = None
     try:
-        existing = lookup(cache_dir, request.namespace, request.name, key)
+        # Touched under the GC lock: a garbage collection decided before now leaves it.
+        existing = use_entry(cache_dir, request.namespace, request.name, key)
+    except LockTimeout as e:
+        raise BuildError(str(e)) from None
     except CacheError as e:
         existing, quarantined = None, _quarantine(cache_dir, request, key, str(e), log)
     if existing is not None:
@@ -244,6 +248,8 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
         if e.errno == errno.ENOSPC:
             raise OutOfDisk(f"no space left on device: {e}") from None
         raise
+    except LockTimeout as e:  # publish found the key published meanwhile: a cache hit
+        raise BuildError(str(e)) from None
     log(f"published {rel} ({manifest.size_bytes} bytes, sha256 {manifest.sha256})")
     try:
         load_seconds = _load_check(backend, entry, clock, log, request.sequence_states)

@@ -1,4 +1,5 @@
-"""The engine cache: atomic publish under races and crashes, verified reads, safe GC."""
+"""The engine cache: atomic publish under races and crashes, verified reads (garbage
+collection: test_cache_gc.py)."""
 
 import hashlib
 import json
@@ -12,8 +13,7 @@ from blake3 import blake3
 from kiln.runtime.engine.cache import publish as publishing, verify
 from kiln.runtime.engine.cache.entry import (CacheError, CacheIntegrityError, Manifest, entry_dir,
                                              lookup, relative_path)
-from kiln.runtime.engine.cache.gc import STALE_TEMP_SECONDS, collect_garbage
-from kiln.runtime.engine.cache.publish import quarantine, remove_dead_temporaries
+from kiln.runtime.engine.cache.publish import remove_dead_temporaries
 from kiln.runtime.engine.cache.verify import read_unverified, read_verified
 from kiln.runtime.api import enginekey
 from kiln.runtime.api.spec import runtime_with_defaults
@@ -107,23 +107,6 @@ def test_publish_keeps_an_existing_entry(tmp_path):
     assert second == first
     data, _, _ = read_verified(entry_dir(tmp_path, NS, MODEL, first.key))
     assert bytes(data) == b"first"
-
-
-def test_crashed_writer_leaves_debris_that_lookup_ignores_and_gc_removes(tmp_path):
-    key = inputs().key
-    debris = tmp_path / NS / MODEL / f".tmp-{key}-crash"
-    debris.mkdir(parents=True)
-    (debris / "engine.onnx").write_bytes(b"half an eng")
-    assert lookup(tmp_path, NS, MODEL, key) is None
-    mtime = debris.stat().st_mtime
-    # A publish in progress (young temporary) is left alone...
-    assert collect_garbage(tmp_path, set(), 0, now=mtime + 60) == []
-    assert debris.exists()
-    # ...one older than the bound is a crashed writer's and goes.
-    assert collect_garbage(tmp_path, set(), 0, now=mtime + STALE_TEMP_SECONDS + 1) == [debris]
-    assert not debris.exists()
-    m = publish(tmp_path)  # and the key can still be published
-    assert lookup(tmp_path, NS, MODEL, key) == m
 
 
 def test_tampered_engine_is_refused_naming_file_and_digests(tmp_path):
@@ -339,23 +322,6 @@ def test_whole_digest_catches_a_manifest_pairing_chunks_with_another_sha256(tmp_
         read_verified(entry, whole_digest=True)
 
 
-def test_gc_keeps_in_use_and_retention_removes_the_rest(tmp_path):
-    t0 = 1_800_000_000.0
-    keys = [publish(tmp_path, version=str(v), clock=lambda v=v: t0 + 3600 * v).key
-            for v in range(5)]  # keys[4] is the newest
-    in_use = {keys[0]}  # the oldest, e.g. the stable version during a canary
-    removed = collect_garbage(tmp_path, in_use, retention=1, now=t0 + 86400)
-    left = {p.name for p in (tmp_path / NS / MODEL).iterdir()}
-    assert left == {keys[0], keys[4]}
-    assert sorted(p.name for p in removed) == sorted(keys[1:4])
-    # In-use given as (namespace, model, key) protects just as well, even with retention 0.
-    removed = collect_garbage(tmp_path, {(NS, MODEL, keys[0])}, retention=0)
-    assert [p.name for p in removed] == [keys[4]]
-    assert lookup(tmp_path, NS, MODEL, keys[0]) is not None
-    with pytest.raises(ValueError):
-        collect_garbage(tmp_path, set(), retention=-1)
-
-
 # -- an entry is trusted only for what lies inside it -----------------------------------
 
 def _rewrite_manifest(entry, **fields):
@@ -453,23 +419,6 @@ def test_every_read_refuses_what_leaves_its_entry_or_is_not_a_regular_file(tmp_p
     with pytest.raises(CacheIntegrityError) as e:
         lookup(tmp_path / "cache", NS, MODEL, key)
     assert expected in str(e.value)
-
-
-def test_quarantine_moves_an_entry_aside_where_readers_do_not_look_and_gc_removes_it(tmp_path):
-    t0 = 1_800_000_000.0
-    m = publish(tmp_path, clock=lambda: t0)
-    aside = quarantine(tmp_path, NS, MODEL, m.key, "sha256 does not match", clock=lambda: t0)
-    assert aside.name.startswith(f".quarantine-{m.key}-20270115T080000")
-    assert (aside / "quarantine-reason.txt").read_text() == "sha256 does not match\n"
-    assert lookup(tmp_path, NS, MODEL, m.key) is None
-    assert quarantine(tmp_path, NS, MODEL, m.key, "again") is None  # moved already
-    # Dated from the quarantine (not the entry's build), it is neither an entry GC keeps
-    # for rollback nor removed before the stale age.
-    since = (aside / "quarantine-reason.txt").stat().st_mtime
-    assert collect_garbage(tmp_path, set(), retention=5, now=since + 60) == []
-    assert collect_garbage(tmp_path, set(), retention=5,
-                           now=since + STALE_TEMP_SECONDS + 1) == [aside]
-    assert not aside.exists()
 
 
 # -- what a killed publish leaves behind ------------------------------------------------

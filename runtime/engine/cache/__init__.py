@@ -13,9 +13,12 @@ An entry is trusted only for what lies inside its own directory: its manifest mu
 its directory's key and a plain engine file name, and both files must be regular files
 opened without following a symbolic link (docs/architecture.md, "The engine cache").
 A corrupt entry is moved aside (`.quarantine-<key>-*`) by the next build of its key.
-Garbage collection keeps what is in use plus a few recent entries for rollback.
+Garbage collection removes what the operator's plan names (it decides what no model needs),
+orphans and debris; a build's cache hit touches its entry under a per-model-directory lock
+(`.gc.lock`), so GC never removes an entry a build has just reported as a hit.
 
 Its modules: `entry` (the manifest, an entry's paths, opening and checking an entry,
 lookup), `publish` (publish, temporaries, quarantine), `verify` (reading an engine and
-checking its digests), `gc` (collect_garbage).
+checking its digests), `gclock` (the GC lock, and use_entry: a build's cache-hit lookup),
+`gc` (the executor of a GC plan: collect).
 """

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kiln.runtime.engine.cache.entry import (CHUNK_HASH, MANIFEST, CacheError, Manifest,
-                                             path_component, entry_dir, lookup)
+                                             path_component, entry_dir)
+from kiln.runtime.engine.cache.gclock import use_entry
 from kiln.runtime.engine.cache.verify import DIGEST_CHUNK_BYTES, compute_digests
 
 TMP_PREFIX = ".tmp-"  # a publish in progress (or a crashed one)
@@ -60,6 +61,7 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
 
     If the key is already published (another builder won the race) the existing entry
     stays, ours is discarded, and the existing manifest is returned: keys are immutable.
+    Returning it is a cache hit, so it is looked up as one (gclock.use_entry: touched).
     `inputs` is `KeyInputs.to_dict()`; it must hash to `key`.
     """
     path_component(engine_file, "engine file name")
@@ -68,7 +70,7 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
     if _key_of(inputs) != key:
         raise ValueError(f"key inputs hash to {_key_of(inputs)}, not to the key {key}")
     final = entry_dir(root, namespace, model, key)
-    existing = lookup(root, namespace, model, key)
+    existing = use_entry(root, namespace, model, key)
     if existing is not None:
         return existing
 
@@ -102,7 +104,7 @@ def publish(root: str | os.PathLike, namespace: str, model: str, key: str,
                 raise
             # Lost the race: the winner's entry is complete (it was renamed in whole).
             shutil.rmtree(tmp, ignore_errors=True)
-            winner = lookup(root, namespace, model, key)
+            winner = use_entry(root, namespace, model, key)
             if winner is None:
                 raise CacheError(f"{final} exists but holds no manifest") from e
             return winner
@@ -141,40 +143,54 @@ def remove_dead_temporaries(root: str | os.PathLike, namespace: str, model: str,
 
     A temporary whose lock can be taken without waiting has no live writer. One without a
     lock file (a publish between creating its directory and its lock, or about to rename)
-    is left alone; collect_garbage removes what is still there hours later. Other keys'
+    is left alone; garbage collection removes what is still there hours later. Other keys'
     temporaries are not touched. Returns the paths removed.
     """
     parent = entry_dir(root, namespace, model, key).parent
     prefix = f"{TMP_PREFIX}{key}-"
-    removed: list[Path] = []
     try:
         names = sorted(n for n in os.listdir(parent) if n.startswith(prefix))
     except FileNotFoundError:
-        return removed
-    for name in names:
-        d = parent / name
-        try:
-            fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue  # a live writer
-        try:
-            shutil.rmtree(d, ignore_errors=True)  # while holding the lock: see _locked_temporary
-        finally:
-            os.close(fd)
-        removed.append(d)
-    return removed
+        return []
+    return [parent / name for name in names if remove_dead_temporary(parent, name)]
+
+
+def remove_dead_temporary(parent: str | os.PathLike | int, name: str, *,
+                          lockless_too: bool = False) -> bool:
+    """Remove the temporary `name` in `parent` (a path, or a directory's fd) when its writer
+    is dead: its lock can be taken without waiting. `lockless_too`: also one without a
+    lock file (only for one far older than any publish: see remove_dead_temporaries).
+    Returns whether it was removed."""
+    dir_fd = parent if isinstance(parent, int) else None
+    path = name if dir_fd is not None else os.path.join(parent, name)
+    try:
+        fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not lockless_too:
+            return False
+        shutil.rmtree(path, ignore_errors=True, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False  # a live writer
+    try:
+        # While holding the lock: see _locked_temporary.
+        shutil.rmtree(path, ignore_errors=True, dir_fd=dir_fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 def quarantine(root: str | os.PathLike, namespace: str, model: str, key: str,
                reason: str, *, clock: Callable[[], float] = time.time) -> Path | None:
     """Move a corrupt entry aside to `.quarantine-<key>-<UTC time>` in its model directory,
     with the reason in a file inside it, so the key can be built again. Readers never look
-    there; collect_garbage removes it after the stale age. Returns the new path, or None
+    there; garbage collection removes it after the stale age. Returns the new path, or None
     when the entry was gone already (another builder moved it first)."""
     final = entry_dir(root, namespace, model, key)
     stamp = datetime.datetime.fromtimestamp(clock(), datetime.timezone.utc)
@@ -184,7 +200,7 @@ def quarantine(root: str | os.PathLike, namespace: str, model: str, key: str,
     except FileNotFoundError:
         return None
     if not aside.is_symlink():
-        try:  # also what dates it for collect_garbage (a rename keeps the old mtime)
+        try:  # also what dates it for garbage collection (a rename keeps the old mtime)
             (aside / QUARANTINE_REASON).write_text(reason + "\n")
         except OSError:
             pass
