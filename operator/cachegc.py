@@ -360,27 +360,25 @@ async def _tell(ctx: Context, namespace: str, claim: str, ok: bool, dry: bool, r
         return
     m.cache_gc_last_success.labels(namespace, claim).set(ctx.clock().timestamp())
     skipped = {(s.get("model"), s.get("key")): s.get("reason") for s in result.get("skipped") or ()}
-    models = {}
+    verb = "would remove" if dry else "removed"
+    told: list[tuple[Any, str, str]] = []  # (model, reason, message)
     for e in report.get("unneeded") or ():
         if (e.get("model"), e.get("key")) in skipped:
             logger.info("%s: kept engine %s of %s on claim %s: %s", namespace, e.get("key"), e.get("model"), claim,
                         skipped[(e.get("model"), e.get("key"))])
             continue
-        verb = "would remove" if dry else "removed"
-        message = (f"{verb} engine {e.get('key')} ({e.get('target')}, {_size(int(e.get('bytes') or 0))}) from the "
-                   f"cache claim {claim}: no version of the model has needed it since {e.get('since')}")
-        models.setdefault(e.get("model"), []).append(message)
-        logger.info("%s/%s: %s", namespace, e.get("model"), message)
-        if not dry:
-            m.cache_gc_removed_entries.labels(namespace, claim, "unneeded").inc()
+        told.append((e.get("model"), "unneeded", f"{verb} engine {e.get('key')} ({e.get('target')}, "
+                     f"{_size(int(e.get('bytes') or 0))}) from the cache claim {claim}: no version of the model "
+                     f"has needed it since {e.get('since')}"))
     for o in result.get("orphans") or ():
-        verb = "would remove" if dry else "removed"
-        message = (f"{verb} {o.get('key')} ({_size(int(o.get('bytes') or 0))}) from the cache claim {claim}: "
-                   f"no engine index entry names it")
-        models.setdefault(o.get("model"), []).append(message)
-        logger.info("%s/%s: %s", namespace, o.get("model"), message)
+        told.append((o.get("model"), "orphan", f"{verb} {o.get('key')} ({_size(int(o.get('bytes') or 0))}) from "
+                     f"the cache claim {claim}: no engine index entry names it"))
+    models: dict[Any, list[str]] = {}
+    for model, reason, message in told:
+        models.setdefault(model, []).append(message)
+        logger.info("%s/%s: %s", namespace, model, message)
         if not dry:
-            m.cache_gc_removed_entries.labels(namespace, claim, "orphan").inc()
+            m.cache_gc_removed_entries.labels(namespace, claim, reason).inc()
     if not dry:
         m.cache_gc_removed_bytes.labels(namespace, claim).inc(int(result.get("removedBytes") or 0))
     for model, messages in models.items():

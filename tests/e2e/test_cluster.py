@@ -778,6 +778,49 @@ def test_the_crd_upgrade_command_the_chart_prints_applies_a_changed_crd(cluster,
     assert command in documented.splitlines()
 
 
+def test_cache_gc_removes_the_oldest_engine_from_the_pvc_and_keeps_the_rollback_target(
+        cluster, api, kubectl, namespace, transcript):
+    transcript.section("Cache GC: versions 1, 2 and 3 rolled out, the oldest engine leaves the PVC")
+    models = demo_models(cluster, api, namespace)
+    digests = {v: sha256(model_version(models, v)) for v in ("1", "2", "3")}
+
+    def set_gc(interval: str, grace: str) -> None:
+        old = wait_for(lambda: operator_pod(api), 60, "the operator Ready")
+        cluster.helm("upgrade", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,
+                     "--reuse-values", "--set", f"cache.gc.intervalSeconds={interval},cache.gc.graceSeconds={grace}",
+                     "--wait", "--timeout", "3m")
+        wait_for(lambda: (lambda p: p if p and p["metadata"]["uid"] != old["metadata"]["uid"] else None)(
+            operator_pod(api)), 120, "the operator with the new cache GC settings")
+
+    set_gc("2", "2")
+    try:
+        keys = []
+        for version in ("1", "2", "3"):
+            kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, version, digests[version])))
+            wait_for(lambda: (lambda s: s.get("phase") == "Ready" and s.get("stable", {}).get("version") == version
+                              and s.get("engineKey") not in keys)(api.status(namespace, "iris")), 240,
+                     f"version {version} Ready")
+            keys.append(api.status(namespace, "iris")["engineKey"])
+        cache = claim_directory(cluster, api, namespace, "kiln-engine-cache") / namespace / "iris"
+        wait_for(lambda: not (cache / keys[0]).exists(), 120, f"version 1's engine {keys[0]} removed from the PVC")
+        for key in keys[1:]:  # the rollback target and the one serving
+            assert (cache / key / "manifest.json").is_file(), f"{key} was removed"
+        removed = wait_for(lambda: [e for e in api.items(f"/api/v1/namespaces/{namespace}/events")
+                                    if e["reason"] == "EngineRemoved"], 60, "an EngineRemoved Event")
+        assert keys[0] in removed[0]["message"] and removed[0]["involvedObject"]["name"] == "iris"
+        index = api.get(f"/api/v1/namespaces/{namespace}/configmaps/{contract.ENGINE_INDEX}")["data"]
+        assert {k.split(".")[0] for k in index} == set(keys[1:])
+        st = wait_for(lambda: (lambda s: s if [e["key"] for e in (s.get("cache") or {}).get("engines", ())]
+                               == keys[:0:-1] else None)(api.status(namespace, "iris")), 60, "status.cache")
+        assert [e["use"] for e in st["cache"]["engines"]] == ["current", "rollback"]
+        kubectl("get", "kim", "-n", namespace, show=True)
+        assert infer(runtime_pods(api, namespace)[0], [[5.1, 3.5, 1.4, 0.2]])["outputs"]
+    finally:
+        set_gc(str(INSTALL_VALUES.get("cache", {}).get("gc", {}).get("intervalSeconds", 3600)),
+               str(INSTALL_VALUES.get("cache", {}).get("gc", {}).get("graceSeconds", 86400)))
+    kubectl("delete", "kim", "iris", "-n", namespace, "--wait=true", "--timeout=60s")
+
+
 def test_helm_upgrade_rolls_the_operator(cluster, api):
     old = wait_for(lambda: operator_pod(api), 60, "the operator Ready")
     cluster.helm("upgrade", RELEASE, str(REPO / "charts" / "kiln"), "--namespace", RELEASE_NAMESPACE,

@@ -193,18 +193,12 @@ class RedisResultStore:
 
     def __init__(self, address: str, prefix: str, *, password: str | None = None,
                  timeout: float = 0.05):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
+        from kiln.runtime.serving.sequences.stores import redis_client
 
-        url = address if "://" in address else f"redis://{address}"
         self.address = address
         self.prefix = prefix
         self.timeout = timeout
-        self._client = aioredis.Redis.from_url(
-            url, password=password or None, socket_timeout=timeout,
-            socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0)
+        self._client = redis_client(address, password, timeout)
         self._lookup = self._client.register_script(_LOOKUP)
         self._put = self._client.register_script(_PUT)
 

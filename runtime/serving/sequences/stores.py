@@ -135,6 +135,20 @@ _VERDICTS = {1: OK, 0: CONFLICT, -1: MISSING}
 _SCRIPT_MAX_BYTES = 256 << 10
 
 
+def redis_client(address: str, password: str | None, timeout: float) -> Any:
+    """A redis.asyncio client for Kiln's stores: host:port or a redis:// / rediss:// URL,
+    every socket operation bounded by `timeout`, and no retries of its own (a failure is
+    the caller's to turn into StoreUnavailable at once)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    url = address if "://" in address else f"redis://{address}"
+    return aioredis.Redis.from_url(url, password=password or None, socket_timeout=timeout,
+                                   socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                                   health_check_interval=0)
+
+
 class RedisStore:
     """Redis through `redis.asyncio`: GET to read; to write, compare the token, then SET with
     PX, atomically (a Lua script, or for large values WATCH + MULTI/EXEC), so a write is whole
@@ -143,17 +157,9 @@ class RedisStore:
     the client retries, possibly on another replica)."""
 
     def __init__(self, address: str, *, password: str | None = None, timeout: float = 1.0):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        url = address if "://" in address else f"redis://{address}"
         self.address = address
         self.timeout = timeout
-        self._client = aioredis.Redis.from_url(
-            url, password=password or None, socket_timeout=timeout,
-            socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0)
+        self._client = redis_client(address, password, timeout)
         self._put = self._client.register_script(_PUT_SCRIPT)
         self._delete = self._client.register_script(_DELETE_SCRIPT)
 
