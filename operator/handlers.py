@@ -15,6 +15,9 @@
   owning it are woken too); an event on a runtime Deployment or Service reconciles its model. That
   is how a finished build is acted on within a second, without polling.
 
+- The engine index's watch events arm a per-namespace timer for cache GC passes
+  (`CacheCollector`, cachegc.py); each pass sets the next.
+
 - A change of the scaling-signal annotation (written by the alert receiver), or a rollout
   action (`kiln rollout promote|abort`), reconciles the model at once; a step that must look again later (a cooldown's end) gets a `Waker` timer.
 
