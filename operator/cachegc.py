@@ -72,7 +72,6 @@ class Decision:
     updates: dict[str, str | None]  # index data key -> new value (marks), None: leaves the index
     due: list[Entry]
     keep: list[Entry]
-    unreadable: list[str]  # index keys GC cannot read: left alone
 
 
 def _iso(t: datetime.datetime) -> str:
@@ -139,7 +138,7 @@ def decide(entries: Iterable[Entry], needed: set[str], models: set[str], now: da
         if model in models:  # a deleted model has no rollback
             group.sort(key=lambda e: (e.recorded_at, e.key), reverse=True)
             kept.update(e.index_key for e in group[:retention])
-    decision = Decision({}, [], [], [])
+    decision = Decision({}, [], [])
     for e in entries:
         wanted = e.key in needed or e.index_key in kept
         if wanted:
@@ -223,7 +222,7 @@ class Namespace:
 def needed_keys(ctx: Context, seen: Namespace) -> set[str]:
     needed: set[str] = set()
     for model in seen.models:
-        _, problems, engines = ctx.plan(model["metadata"]["uid"], model.get("spec") or {})
+        _, _, engines = ctx.plan(model["metadata"]["uid"], model.get("spec") or {})
         needed.update(e.key for e in engines)
         needed |= engine_keys_of_status(model.get("status") or {})
         needed |= engine_keys_of_status(ctx.last_status.get(model["metadata"]["uid"]) or {})

@@ -65,7 +65,7 @@ def engine_condition(observed: list[EngineObservation]) -> Condition:
         # settings), not the model's: its own reason.
         full = all(o.reason == OUT_OF_DISK for o in failed)
         hint = ("; the engine cache claim is out of space: give it more, or let cache GC remove more "
-                "(--cache-gc-retention, --cache-gc-grace-seconds)" if full else "")
+                "(the chart's cache.gc.retention and cache.gc.graceSeconds)" if full else "")
         return (False, OUT_OF_DISK if full else "BuildFailed", "; ".join(
             f"engine {o.engine.key} for {o.engine.architecture} (Job {o.engine.job_name}): {o.message}"
             for o in failed) + hint)
