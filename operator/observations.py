@@ -221,14 +221,16 @@ def pod_load(metrics_text: str) -> PodLoad:
     try:
         for family in text_string_to_metric_families(metrics_text):
             for s in family.samples:
+                if s.name in (BUSY_RATIO, INFLIGHT) and s.value != s.value:
+                    raise ValueError(f"{s.name} is NaN")
                 if s.name == BUSY_RATIO:
                     busy = max(busy, s.value)
                 elif s.name == INFLIGHT:
                     inflight += s.value
+    except ValueError:
+        raise
     except Exception as e:  # the parser raises what it meets; whatever it is, no load was read
         raise ValueError(f"not a Prometheus exposition: {e}") from e
-    if busy != busy or inflight != inflight:  # NaN
-        raise ValueError("a NaN load")
     return PodLoad(busy, inflight)
 
 

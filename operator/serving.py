@@ -135,11 +135,9 @@ async def set_replicas(p: Pass, dep: Mapping[str, Any] | None, replicas: int) ->
     """spec.replicas alone (a scale or a traffic shift never changes the pod template)."""
     if dep is None or contract.ANN_APPLIED_HASH not in (dep["metadata"].get("annotations") or {}):
         return dep
-    current = int((dep.get("spec") or {}).get("replicas", 1))
-    if current == replicas:
+    if int((dep.get("spec") or {}).get("replicas", 1)) == replicas:
         return dep
-    if replicas < current:
-        await set_deletion_costs(p, dep)
+    await before_scale_down(p, dep, replicas)
     patch: dict[str, Any] = {"spec": {"replicas": replicas}}
     if observations.observe_deployment(dep).rolled_out:  # then the generation this makes is a scale alone
         patch["metadata"] = {"annotations": {observations.ANN_SCALED_FROM: str(dep["metadata"].get("generation") or 0)}}
@@ -168,6 +166,8 @@ async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track,
     if annotations.get(contract.ANN_APPLIED_HASH) == track.hash and not drift:
         return dep
     old_key = ((dep["spec"].get("template") or {}).get("metadata") or {}).get("labels", {}).get(contract.LABEL_ENGINE_KEY)
+    if "replicas" in new["spec"]:  # replicas in the manifest (no autoscaler): this patch may scale down
+        await before_scale_down(p, dep, int(new["spec"]["replicas"]))
     dep = await kube.patch("Deployment", p.ns, name, restore_patch(last, new, drift))
     key = track.engines[0].engine.key
     if drift:
@@ -212,6 +212,11 @@ async def apply_disruption_budget(p: Pass, dep: Mapping[str, Any] | None) -> Map
 METRICS_TIMEOUT_SECONDS = 1.0
 METRICS_AT_ONCE = 8
 METRICS_MAX_BYTES = 4 << 20
+
+
+async def before_scale_down(p: Pass, dep: Mapping[str, Any], replicas: int) -> None:
+    if replicas < int((dep.get("spec") or {}).get("replicas", 1)):
+        await set_deletion_costs(p, dep)
 
 
 async def set_deletion_costs(p: Pass, dep: Mapping[str, Any]) -> None:
