@@ -45,7 +45,7 @@ async def step(p: Pass) -> StepResult:
         if tracks.stable is not None:
             dep = await apply_deployment(p, dep, tracks.stable, stable_replicas)
             await apply_service(p)
-            dep = await apply_disruption_budget(p, dep)
+            await apply_disruption_budget(p, dep)
         dep = await set_replicas(p, dep, stable_replicas)
         if tracks.canary is not None:
             canary = await set_replicas(p, await apply_deployment(p, canary, tracks.canary, tracks.canary_replicas),
@@ -190,21 +190,21 @@ async def apply_service(p: Pass, track: str = manifests.STABLE) -> None:
         await p.ctx.kube.patch("Service", p.ns, name, manifests.with_applied(desired))
 
 
-async def apply_disruption_budget(p: Pass, dep: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+async def apply_disruption_budget(p: Pass, dep: Mapping[str, Any]) -> None:
     """The model's PodDisruptionBudget, created or patched when the stable Deployment does not
     record its hash yet (a new model, a changed budget, an operator that never applied one);
-    then the Deployment records it. A budget deleted by hand is back at the next change."""
-    if dep is None:
-        return dep
+    then the Deployment records it. A budget deleted by hand is back at the next change.
+    What the record's patch answers is not this pass's view of the Deployment: its status
+    may be newer than the watch's, and conditions would flip back and forth."""
     desired = manifests.disruption_budget(p.model)
     want = manifests.manifest_hash(desired)
     if (dep["metadata"].get("annotations") or {}).get(observations.ANN_DISRUPTION_BUDGET) == want:
-        return dep
+        return
     budget, created = await p.ctx.kube.create(manifests.with_applied(desired))
     if not created and (budget["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH) != want:
         await p.ctx.kube.patch("PodDisruptionBudget", p.ns, desired["metadata"]["name"], manifests.with_applied(desired))
-    return await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"],
-                                  {"metadata": {"annotations": {observations.ANN_DISRUPTION_BUDGET: want}}})
+    await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"],
+                           {"metadata": {"annotations": {observations.ANN_DISRUPTION_BUDGET: want}}})
 
 
 # Reading the pods' loads before a scale-down: bounded, so a pod that hangs delays it by a
