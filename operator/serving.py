@@ -215,7 +215,7 @@ METRICS_MAX_BYTES = 4 << 20
 
 
 async def before_scale_down(p: Pass, dep: Mapping[str, Any], replicas: int) -> None:
-    if replicas < int((dep.get("spec") or {}).get("replicas", 1)):
+    if 0 < replicas < int((dep.get("spec") or {}).get("replicas", 1)):  # to zero, every pod goes
         await set_deletion_costs(p, dep)
 
 

@@ -226,6 +226,12 @@ def test_the_idlest_pods_cost_least_before_the_replicas_go_down(api, scale_opera
         api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 2, 15)
         assert {n: api.get("Pod", ns, n)["metadata"]["annotations"][COST] for n in ("busy", "idle")} == \
             {"busy": "0", "idle": "300"}
+
+        if not autoscaled:  # to zero every pod goes: nobody is asked
+            asked = busy.asked
+            api.patch("InferenceModel", ns, name, {"spec": {"replicas": 0}}, subresource="scale")
+            api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 0, 15)
+            assert busy.asked == asked
     finally:
         for server in (busy, idle, hung, unready):
             server.close()
