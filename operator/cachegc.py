@@ -48,6 +48,7 @@ UNNEEDED_SINCE = "unneededSince"  # in an index value: since when no model needs
 # touched up to this long before the decision, so a skew this size cannot remove a fresh touch.
 CLOCK_SKEW_SECONDS = 600
 POLL_SECONDS = 15.0  # while a GC Job runs: when to look for its result
+WATCH_LAG_SECONDS = 2.0  # after the pass's index patch: when the operator's view of it is current
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _KEY = re.compile(r"[0-9a-f]{8,64}")
 
@@ -282,10 +283,10 @@ async def collect(ctx: Context, namespace: str, read: Any) -> float:
         for e in decision.due:
             await _delete_build_job(ctx, namespace, e)
     changed = {e.model for e in entries if e.index_key in decision.updates}
-    for model in seen.models:  # their status.cache says what changed
+    for model in seen.models:  # their status.cache says what changed, once the index view has it
         meta = model["metadata"]
         if meta["name"] in changed:
-            ctx.wake(namespace, meta["name"], meta["uid"], 0)
+            ctx.wake(namespace, meta["name"], meta["uid"], WATCH_LAG_SECONDS)
     for claim in claims:
         due = [e for e in decision.due if e.claim == claim]
         keep = [e for e in decision.keep if e.claim == claim or e.claim == config.cache_claim]
