@@ -1,0 +1,116 @@
+"""The activator's Kubernetes side: the watches that fill the table, and the scale from zero.
+
+Two watches (the official client's, each in a thread, every call time-bounded): the
+runtime pods (`app.kubernetes.io/name=kiln-runtime`), whose Ready ones the table routes
+to, and the EndpointSlices the operator writes for models at zero (managed-by
+ACTIVATOR_SLICE_MANAGER), which say which models are held here. A watch that ends or
+fails lists again (after a short backoff), so a missed event is repaired by the next list.
+
+`activate` patches the model's scale subresource with a JSON Patch whose `test` op says
+"only if replicas is 0": several activator replicas asking at once scale it once, and a
+model someone scaled meanwhile is left as it is (422 from the failed test: nothing to do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Callable
+
+from kiln.activator.table import Table
+from kiln.operator.kube import ApiError, Kube
+from kiln.runtime.api.contract import ACTIVATOR_SLICE_MANAGER, KIND, LABEL_MODEL, LABEL_SLICE_MANAGED_BY
+
+log = logging.getLogger("kiln.activator.cluster")
+
+RUNTIME_PODS = "app.kubernetes.io/name=kiln-runtime"
+HELD_SLICES = f"{LABEL_SLICE_MANAGED_BY}={ACTIVATOR_SLICE_MANAGER}"
+WATCH_SECONDS = 60  # the API server ends each watch after this long; the client's own timeout is a little more
+BACKOFF_SECONDS = 2.0
+
+
+def scale_from_zero_patch() -> list[dict[str, Any]]:
+    return [{"op": "test", "path": "/spec/replicas", "value": 0},
+            {"op": "replace", "path": "/spec/replicas", "value": 1}]
+
+
+async def activate(kube: Kube, namespace: str, model: str) -> bool:
+    """Scale `model` to one if it is at zero; True when this call did it."""
+    try:
+        await kube.patch(KIND, namespace, model, scale_from_zero_patch(), subresource="scale")
+        return True
+    except ApiError as e:
+        if e.status == 422:  # the test op failed: not at zero any more (another replica, a person)
+            return False
+        raise
+
+
+class Watches:
+    """The two watches, feeding `table` on its event loop."""
+
+    def __init__(self, api_client: Any, table: Table, loop: asyncio.AbstractEventLoop,
+                 watch_seconds: int = WATCH_SECONDS) -> None:
+        self.client, self.table, self.loop, self.watch_seconds = api_client, table, loop, watch_seconds
+        self.stopping = threading.Event()
+        self._slices: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, slice) -> model key
+
+    def start(self) -> None:
+        import kubernetes
+
+        core, discovery = kubernetes.client.CoreV1Api(self.client), kubernetes.client.DiscoveryV1Api(self.client)
+        for name, lister, selector, on_list, on_event in (
+                ("pods", core.list_pod_for_all_namespaces, RUNTIME_PODS, self._pods_listed, self._pod_event),
+                ("slices", discovery.list_endpoint_slice_for_all_namespaces, HELD_SLICES, self._slices_listed,
+                 self._slice_event)):
+            threading.Thread(target=self._run, args=(lister, selector, on_list, on_event), name=f"watch-{name}",
+                             daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _run(self, lister: Callable[..., Any], selector: str, on_list: Callable[[list[dict]], None],
+             on_event: Callable[[str, dict], None]) -> None:
+        import kubernetes
+
+        while not self.stopping.is_set():
+            try:
+                listed = self.client.sanitize_for_serialization(
+                    lister(label_selector=selector, _request_timeout=(5, 30)))
+                self.loop.call_soon_threadsafe(on_list, listed.get("items") or [])
+                version = (listed.get("metadata") or {}).get("resourceVersion")
+                stream = kubernetes.watch.Watch().stream(lister, label_selector=selector, resource_version=version,
+                                                         timeout_seconds=self.watch_seconds,
+                                                         _request_timeout=(5, self.watch_seconds + 10))
+                for event in stream:
+                    if self.stopping.is_set():
+                        return
+                    obj = self.client.sanitize_for_serialization(event["object"])
+                    self.loop.call_soon_threadsafe(on_event, event["type"], obj)
+            except Exception as e:  # relist after a pause: the list repairs whatever was missed
+                log.warning("watch of %s failed, listing again: %s", selector, e)
+                self.stopping.wait(BACKOFF_SECONDS)
+
+    def _pods_listed(self, pods: list[dict]) -> None:
+        self.table.replace(pods)
+
+    def _pod_event(self, kind: str, pod: dict) -> None:
+        if kind == "DELETED":
+            self.table.remove_pod(pod["metadata"]["namespace"], pod["metadata"]["name"])
+        elif kind in ("ADDED", "MODIFIED"):
+            self.table.set_pod(pod)
+
+    def _slices_listed(self, slices: list[dict]) -> None:
+        self._slices = {}
+        for s in slices:
+            self._slice_event("ADDED", s)
+
+    def _slice_event(self, kind: str, endpoint_slice: dict) -> None:
+        meta = endpoint_slice.get("metadata") or {}
+        name = (meta.get("namespace"), meta.get("name"))
+        model = (meta.get("labels") or {}).get(LABEL_MODEL)
+        if kind == "DELETED" or not model:
+            self._slices.pop(name, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self._slices[name] = (name[0], model)
+        self.table.set_activating(set(self._slices.values()))
