@@ -42,6 +42,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Deployment": ("apps/v1", "deployments", True),
     "Service": ("v1", "services", True),
     "ConfigMap": ("v1", "configmaps", True),
+    "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices", True),
     "Event": ("v1", "events", True),
     "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes", True),
     "GRPCRoute": ("gateway.networking.k8s.io/v1", "grpcroutes", True),
