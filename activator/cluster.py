@@ -50,21 +50,30 @@ class Watches:
     """The two watches, feeding `table` on its event loop."""
 
     def __init__(self, api_client: Any, table: Table, loop: asyncio.AbstractEventLoop,
-                 watch_seconds: int = WATCH_SECONDS) -> None:
+                 watch_seconds: int = WATCH_SECONDS, namespaces: list[str] | None = None) -> None:
+        """`namespaces`: watch only these (the chart's namespaced mode), else the whole cluster."""
         self.client, self.table, self.loop, self.watch_seconds = api_client, table, loop, watch_seconds
+        self.namespaces = namespaces or []
         self.stopping = threading.Event()
+        self._pods: dict[str | None, list[dict]] = {}  # the last list of each namespace watched
         self._slices: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, slice) -> model key
 
     def start(self) -> None:
+        import functools
+
         import kubernetes
 
         core, discovery = kubernetes.client.CoreV1Api(self.client), kubernetes.client.DiscoveryV1Api(self.client)
-        for name, lister, selector, on_list, on_event in (
-                ("pods", core.list_pod_for_all_namespaces, RUNTIME_PODS, self._pods_listed, self._pod_event),
-                ("slices", discovery.list_endpoint_slice_for_all_namespaces, HELD_SLICES, self._slices_listed,
-                 self._slice_event)):
-            threading.Thread(target=self._run, args=(lister, selector, on_list, on_event), name=f"watch-{name}",
-                             daemon=True).start()
+        scopes: list[tuple[str | None, Callable[..., Any], Callable[..., Any]]] = (
+            [(ns, functools.partial(core.list_namespaced_pod, ns),
+              functools.partial(discovery.list_namespaced_endpoint_slice, ns)) for ns in self.namespaces]
+            or [(None, core.list_pod_for_all_namespaces, discovery.list_endpoint_slice_for_all_namespaces)])
+        for ns, pods, slices in scopes:
+            for what, lister, selector, on_list, on_event in (
+                    ("pods", pods, RUNTIME_PODS, functools.partial(self._pods_listed, ns), self._pod_event),
+                    ("slices", slices, HELD_SLICES, functools.partial(self._slices_listed, ns), self._slice_event)):
+                threading.Thread(target=self._run, args=(lister, selector, on_list, on_event),
+                                 name=f"watch-{what}-{ns or 'all'}", daemon=True).start()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -91,8 +100,9 @@ class Watches:
                 log.warning("watch of %s failed, listing again: %s", selector, e)
                 self.stopping.wait(BACKOFF_SECONDS)
 
-    def _pods_listed(self, pods: list[dict]) -> None:
-        self.table.replace(pods)
+    def _pods_listed(self, namespace: str | None, pods: list[dict]) -> None:
+        self._pods[namespace] = pods
+        self.table.replace([p for listed in self._pods.values() for p in listed])
 
     def _pod_event(self, kind: str, pod: dict) -> None:
         if kind == "DELETED":
@@ -100,8 +110,8 @@ class Watches:
         elif kind in ("ADDED", "MODIFIED"):
             self.table.set_pod(pod)
 
-    def _slices_listed(self, slices: list[dict]) -> None:
-        self._slices = {}
+    def _slices_listed(self, namespace: str | None, slices: list[dict]) -> None:
+        self._slices = {k: v for k, v in self._slices.items() if namespace is not None and k[0] != namespace}
         for s in slices:
             self._slice_event("ADDED", s)
 

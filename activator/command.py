@@ -23,6 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the largest request body or gRPC message held")
     parser.add_argument("--default-namespace", default=None, metavar="NS",
                         help="the namespace of a model when the Host names none and the watch knows no single one")
+    parser.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                        help="watch the runtime pods of this namespace (repeatable); default: every namespace")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
@@ -47,7 +49,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await cluster.activate(kube, namespace, model)
 
     holder = holding.Holder(table, activate, args.max_queued, args.max_wait_seconds)
-    watches = cluster.Watches(api_client, table, asyncio.get_running_loop())
+    watches = cluster.Watches(api_client, table, asyncio.get_running_loop(), namespaces=args.namespace)
     watches.start()
     http = rest.RestProxy(holder, args.default_namespace, args.max_body_bytes)
     grpc = GrpcProxy(holder, args.default_namespace, args.max_body_bytes)
