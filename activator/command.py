@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from kiln.activator import holding, rest
@@ -12,7 +13,8 @@ from kiln.runtime.api.contract import GRPC_PORT, SERVICE_PORT
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--host", default=os.environ.get("KILN_SERVE_HOST") or "0.0.0.0",
+                        help="address to listen on (default $KILN_SERVE_HOST, as `kiln serve`, else 0.0.0.0)")
     parser.add_argument("--http-port", type=int, default=SERVICE_PORT, help="the v2 REST port (port name http)")
     parser.add_argument("--grpc-port", type=int, default=GRPC_PORT, help="the v2 gRPC port (port name grpc)")
     parser.add_argument("--max-queued", type=int, default=holding.DEFAULT_MAX_QUEUED, metavar="N",
