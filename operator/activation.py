@@ -79,6 +79,8 @@ async def route(p: Pass, ready: int) -> bool:
     activator = p.ctx.config.activator_service
     if not may_hold(p.spec, activator) or p.invalid is not None:
         return False
+    if ready > 0 and int(p.previous.get("readyReplicas") or 0) > 0:
+        return False  # serving since the last pass, which took the slice away: no call on a steady model
     kube, name = p.ctx.kube, held_slice_name(p.name)
     existing = await kube.get("EndpointSlice", p.ns, name)
     if ready > 0:
