@@ -303,3 +303,30 @@ async def test_a_connection_refused_before_sending_tries_again():
         status, _, body = await post(s, activator.url, infer_doc(0)[0])
         await replaced
     assert status == 200 and answers == [1], body
+
+
+async def test_a_grpc_stream_at_zero_is_held_on_its_first_message_then_piped_to_the_pod(zero, built):
+    activator, cluster, _ = zero
+    requests = []
+    for i in range(3):
+        inputs = sample(1, seed=20 + i)
+        request = pb.ModelInferRequest(model_name=NAME, id=f"s{i}")
+        for name, array in inputs.items():
+            request.inputs.add(name=name, datatype="FP32" if array.dtype == np.float32 else "INT64",
+                               shape=list(array.shape))
+            request.raw_input_contents.append(array.tobytes())
+        requests.append(request)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{activator.grpc_port}") as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       request_serializer=pb.ModelInferRequest.SerializeToString,
+                                       response_deserializer=pb.ModelStreamInferResponse.FromString)
+
+        async def messages():
+            for r in requests:
+                yield r
+
+        answers = [a async for a in stream(messages(), metadata=(("kiln-namespace", NS),), timeout=60)]
+    assert sorted(a.infer_response.id for a in answers) == ["s0", "s1", "s2"]
+    assert all(not a.error_message for a in answers)
+    assert cluster.activations == [(NS, NAME)]
+    assert cluster.server.metric("kiln_requests_total", model=NAME, outcome="success") == 3

@@ -68,11 +68,13 @@ async def wait_until(what, timeout: float = 15) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_the_watches_fill_the_table(emulator):
+@pytest.mark.parametrize("namespaces", [None, [NS]], ids=["cluster", "namespaced"])
+async def test_the_watches_fill_the_table(emulator, namespaces):
     api_client = load_client(str(emulator.kubeconfig))
     kube = Kube(api_client)
     table = Table()
-    watches = clustermod.Watches(api_client, table, asyncio.get_running_loop(), watch_seconds=1)
+    watches = clustermod.Watches(api_client, table, asyncio.get_running_loop(), watch_seconds=1,
+                                 namespaces=namespaces)
     await kube.create(runtime_pod("m-0"))
     watches.start()
     try:
@@ -91,6 +93,8 @@ async def test_the_watches_fill_the_table(emulator):
                 "addressType": "IPv4", "endpoints": [{"addresses": ["10.9.9.9"]}], "ports": []}
         await kube.request("POST", f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices", held)
         await wait_until(lambda: table.namespace_of("held") == NS)
+        await kube.request("DELETE", f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices/held-activator")
+        await wait_until(lambda: table.namespace_of("held") is None)
     finally:
         watches.stop()
         await asyncio.sleep(1.5)  # each watch ends within watch_seconds, and its thread with it
