@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 
-from kiln.activator import holding, rest
+from kiln.activator import holding  # light: configure() runs for every `kiln --help`
 from kiln.runtime.api.contract import GRPC_PORT, SERVICE_PORT
 
 
@@ -21,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="requests held per model at most; past it 503 with Retry-After (gRPC UNAVAILABLE)")
     parser.add_argument("--max-wait-seconds", type=float, default=holding.DEFAULT_MAX_WAIT, metavar="S",
                         help="how long a request is held at most for a Ready pod; then 503 with Retry-After")
-    parser.add_argument("--max-body-bytes", type=int, default=rest.DEFAULT_MAX_BODY_BYTES, metavar="N",
+    parser.add_argument("--max-body-bytes", type=int, default=holding.MAX_HELD_BYTES, metavar="N",
                         help="the largest request body or gRPC message held")
     parser.add_argument("--default-namespace", default=None, metavar="NS",
                         help="the namespace of a model when the Host names none and the watch knows no single one")
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from kiln.activator import cluster
+    from kiln.activator import cluster, rest
     from kiln.activator.grpcproxy import GrpcProxy
     from kiln.activator.table import Table
     from kiln.operator.kube import Kube, load_client

@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kiln import __version__
-from kiln.activator.holding import Holder, Refused
+from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused
 from kiln.activator.routing import NAMESPACE_HEADER, model_key
 from kiln.activator.table import Endpoint, Key
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
@@ -53,7 +53,7 @@ def _named(context: grpc.aio.ServicerContext) -> str | None:
 
 class GrpcProxy:
     def __init__(self, holder: Holder, default_namespace: str | None = None,
-                 max_message_bytes: int = 64 << 20) -> None:
+                 max_message_bytes: int = MAX_HELD_BYTES) -> None:
         self.holder, self.default_namespace, self.max_message_bytes = holder, default_namespace, max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None

@@ -25,6 +25,7 @@ DEFAULT_MAX_QUEUED = 1000
 DEFAULT_MAX_WAIT = 120.0
 RETRY_ACTIVATION = 5.0  # seconds before a failed activation is asked again
 RETRY_AFTER = 5  # seconds, told with every refusal
+MAX_HELD_BYTES = 64 << 20  # the largest request body (or gRPC message) held in memory
 
 Activate = Callable[[str, str], Awaitable[None]]  # (namespace, model): scale to one if at zero
 

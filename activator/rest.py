@@ -20,13 +20,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kiln.activator.holding import Holder, Refused
+from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused
 from kiln.activator.routing import NAMESPACE_HEADER, model_key
 from kiln.activator.table import Endpoint
 
 log = logging.getLogger("kiln.activator.rest")
 
-DEFAULT_MAX_BODY_BYTES = 64 << 20
 PER_POD_CONNECTIONS = 256  # requests in flight to one pod at once (the rest wait for a connection)
 CONNECT_TRIES = 3
 # Hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp sets itself: never copied across.
@@ -45,7 +44,7 @@ def refused(e: Refused) -> web.Response:
 
 class RestProxy:
     def __init__(self, holder: Holder, default_namespace: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_HELD_BYTES) -> None:
         self.holder, self.default_namespace, self.max_body_bytes = holder, default_namespace, max_body_bytes
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None

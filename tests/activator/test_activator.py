@@ -330,3 +330,17 @@ async def test_a_grpc_stream_at_zero_is_held_on_its_first_message_then_piped_to_
     assert all(not a.error_message for a in answers)
     assert cluster.activations == [(NS, NAME)]
     assert cluster.server.metric("kiln_requests_total", model=NAME, outcome="success") == 3
+
+
+def test_kiln_activator_is_a_subcommand_whose_help_needs_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kiln.cli import main; import kiln.activator.command; "
+            "print(sorted(m for m in ('aiohttp', 'grpc', 'kubernetes') if m in sys.modules)); main(['activator', '--help'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, rest = out.stdout.split("\n", 1)
+    assert first == "[]"  # the command module alone imports none of them
+    for flag in ("--max-queued", "--max-wait-seconds", "--http-port", "--grpc-port", "--namespace"):
+        assert flag in rest
