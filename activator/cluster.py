@@ -6,9 +6,9 @@ to, and the EndpointSlices the operator writes for models at zero (managed-by
 ACTIVATOR_SLICE_MANAGER), which say which models are held here. A watch that ends or
 fails lists again (after a short backoff), so a missed event is repaired by the next list.
 
-`activate` patches the model's scale subresource with a JSON Patch whose `test` op says
-"only if replicas is 0": several activator replicas asking at once scale it once, and a
-model someone scaled meanwhile is left as it is (422 from the failed test: nothing to do).
+`activate` reads the model's scale subresource and, at zero, patches it to one conditional
+on the resourceVersion it read: several activator replicas asking at once scale it once,
+and a model someone scaled meanwhile is left as it is (409: nothing to do).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable
 
 from kiln.activator.table import Table
-from kiln.operator.kube import ApiError, Kube
+from kiln.operator.kube import ApiError, Kube, path_for
 from kiln.runtime.api.contract import ACTIVATOR_SLICE_MANAGER, KIND, LABEL_MODEL, LABEL_SLICE_MANAGED_BY
 
 log = logging.getLogger("kiln.activator.cluster")
@@ -30,18 +30,22 @@ WATCH_SECONDS = 60  # the API server ends each watch after this long; the client
 BACKOFF_SECONDS = 2.0
 
 
-def scale_from_zero_patch() -> list[dict[str, Any]]:
-    return [{"op": "test", "path": "/spec/replicas", "value": 0},
-            {"op": "replace", "path": "/spec/replicas", "value": 1}]
-
-
 async def activate(kube: Kube, namespace: str, model: str) -> bool:
-    """Scale `model` to one if it is at zero; True when this call did it."""
+    """Scale `model` to one if it is at zero; True when this call did it.
+
+    Conditional on the resourceVersion read with the zero: a second activator (or a person)
+    in between gets 409, and the model is scaled once. (Not a JSON Patch `test` op on
+    /spec/replicas: the Scale object leaves replicas out when it is 0, so the path does not
+    exist at zero - the real API server's answer, found on the local control plane.)"""
+    scale = await kube.request("GET", path_for(KIND, namespace, model, "scale"))
+    if int((scale.get("spec") or {}).get("replicas") or 0) != 0:
+        return False
     try:
-        await kube.patch(KIND, namespace, model, scale_from_zero_patch(), subresource="scale")
+        await kube.patch(KIND, namespace, model, {"metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
+                                                  "spec": {"replicas": 1}}, subresource="scale")
         return True
     except ApiError as e:
-        if e.status == 422:  # the test op failed: not at zero any more (another replica, a person)
+        if e.status == 409:  # changed since the read: someone else scaled it
             return False
         raise
 

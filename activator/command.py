@@ -48,7 +48,9 @@ async def _serve(args: argparse.Namespace) -> int:
     table = Table()
 
     async def activate(namespace: str, model: str) -> None:
-        await cluster.activate(kube, namespace, model)
+        done = await cluster.activate(kube, namespace, model)
+        logging.getLogger("kiln.activator").info("%s/%s: %s", namespace, model, "scaled from zero to 1" if done
+                                                 else "not at zero (scaled already): waiting for its pod")
 
     holder = holding.Holder(table, activate, args.max_queued, args.max_wait_seconds)
     watches = cluster.Watches(api_client, table, asyncio.get_running_loop(), namespaces=args.namespace)

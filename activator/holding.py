@@ -27,7 +27,7 @@ RETRY_ACTIVATION = 5.0  # seconds before a failed activation is asked again
 RETRY_AFTER = 5  # seconds, told with every refusal
 MAX_HELD_BYTES = 64 << 20  # the largest request body (or gRPC message) held in memory
 
-Activate = Callable[[str, str], Awaitable[None]]  # (namespace, model): scale to one if at zero
+Activate = Callable[[str, str], Awaitable[object]]  # (namespace, model): scale to one if at zero
 
 
 @dataclasses.dataclass
@@ -101,7 +101,6 @@ class Holder:
     async def _activate(self, key: Key, model: _Model) -> None:
         try:
             await self.activate(*key)
-            log.info("asked %s/%s to scale from zero", *key)
         except Exception as e:  # the next held request asks again; the held ones keep waiting
             model.failed_at = self.clock()
             log.warning("could not scale %s/%s from zero: %s", key[0], key[1], e)

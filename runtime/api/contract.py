@@ -43,7 +43,7 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln", "app.kubernetes.io/part-of
 # slices, by this managed-by, to learn which models it holds for.
 LABEL_SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
 LABEL_SLICE_SERVICE = "kubernetes.io/service-name"
-ACTIVATOR_SLICE_MANAGER = "activator.kiln.dev/operator"
+ACTIVATOR_SLICE_MANAGER = "activator.kiln.dev"  # a label value: no "/"
 
 ENGINE_INDEX = "kiln-engine-index"  # ConfigMap per namespace: "<key>.<target>" -> build result JSON
 

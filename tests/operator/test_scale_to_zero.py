@@ -6,15 +6,17 @@ activator's scale from zero -> a Ready pod -> the Service back on the pods.
 
 The emulator has no controllers: the test writes the activator Service's EndpointSlice as
 the EndpointSlice controller would, plays the Deployment controller (`roll_out`), and plays
-the activator's conditional scale patch (the JSON Patch `kiln activator` sends).
+the activator (its own conditional scale from zero, `kiln.activator.cluster.activate`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 
 import pytest
 
+from kiln.activator import cluster as clustermod
 from kiln.operator import activation, manifests, scaling
 from kiln.operator import signals as sig
 from kiln.runtime.api import contract
@@ -169,9 +171,7 @@ def test_idle_to_zero_held_by_the_activator_and_back(api, zero_operator, am):
     assert "ScaledDown" in reasons(api, ns, name) and "Activating" in reasons(api, ns, name)
 
     # The activator's scale from zero (a request arrived), then the alert resolves (it was served).
-    api.request("PATCH", api.path_for("InferenceModel", ns, name, "scale"),
-                [{"op": "test", "path": "/spec/replicas", "value": 0},
-                 {"op": "replace", "path": "/spec/replicas", "value": 1}], "application/json-patch+json")
+    assert asyncio.run(clustermod.activate(api.kube, ns, name)) is True
     resolved = am.webhook(am.alert(ns, name, sig.IDLE, status="resolved", value="0"))
     am.post(zero_operator, resolved)
     api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 1, 10,
