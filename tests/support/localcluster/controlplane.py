@@ -42,9 +42,6 @@ CONTROLLERS = [
     "persistentvolume-binder-controller", "persistentvolume-protection-controller",
     "persistentvolumeclaim-protection-controller", "root-ca-certificate-publisher-controller",
     "pod-garbage-collector-controller",
-    # Services' EndpointSlices: the activator's, which a model at zero is pointed at, and the
-    # runtime pods' (what a test that goes "through the Service" resolves, as kube-proxy would).
-    "endpointslice-controller",
 ]
 
 H100 = "NVIDIA-H100-80GB-HBM3"
