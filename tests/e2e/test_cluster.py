@@ -876,6 +876,9 @@ def infer_through_service(api, namespace: str, seed: int, timeout: float = 180) 
         return e.code, json.loads(e.read() or b"{}"), time.monotonic() - t0
 
 
+TRIES = 5  # first request at zero, each from zero: docs/benchmarks.md's figures
+
+
 def test_an_idle_model_goes_to_zero_and_requests_at_zero_are_held_and_answered(
         cluster, api, kubectl, namespace, transcript, tmp_path):
     """Scale to zero with every part real: the chart's activator (two replicas), KilnModelIdle
@@ -941,12 +944,19 @@ def test_an_idle_model_goes_to_zero_and_requests_at_zero_are_held_and_answered(
         # 1. No requests: to zero after the idle time.
         idle = at_zero("idle")
         kubectl("get", "inferencemodel", "iris", "-n", namespace, show=True)
-        # 2. One request at zero through the Service: held, the model scaled to one, answered.
-        status_, answer, first = infer_through_service(api, namespace, 0)
-        assert status_ == 200 and answer["id"] == "0" and answer["outputs"], answer
-        wait_for(lambda: api.get(held) is None, 60, "the Service back on the runtime pod")
+        # 2. One request at zero through the Service: held, the model scaled to one, answered;
+        # TRIES times, each from zero (idle again in between).
+        firsts = []
+        for attempt in range(TRIES):
+            if attempt:
+                at_zero(f"idle before try {attempt + 1}")
+            status_, answer, first = infer_through_service(api, namespace, 0)
+            assert status_ == 200 and answer["id"] == "0" and answer["outputs"], answer
+            firsts.append(first)
+            wait_for(lambda: api.get(held) is None, 60, "the Service back on the runtime pod")
         reasons_ = [h["reason"] for h in api.status(namespace, "iris")["scaling"]["history"]]
         assert "ScaledToZero" in reasons_ and "ScaledExternally" in reasons_, reasons_
+        firsts.sort()
         # 3. Idle again, then a burst at zero: every request answered, once.
         at_zero("idle again")
         burst = 200
@@ -959,7 +969,8 @@ def test_an_idle_model_goes_to_zero_and_requests_at_zero_are_held_and_answered(
             r for r in results if r[0] != 200][:3]
         seconds = sorted(s for _, _, s in results)
         print(f"\nscale to zero: idle -> 0 replicas {idle:.1f} s after the rule could fire; first request at zero "
-              f"answered in {first:.2f} s; burst of {burst} at zero: {len(answered)} answered, "
+              f"to its answer over {TRIES} tries: p50 {firsts[len(firsts) // 2]:.2f} s, max {firsts[-1]:.2f} s "
+              f"({', '.join(f'{f:.2f}' for f in firsts)}); burst of {burst} at zero: {len(answered)} answered, "
               f"{burst - len(answered)} lost, p50 {seconds[len(seconds) // 2]:.2f} s, max {seconds[-1]:.2f} s, "
               f"all in {took:.1f} s")
         kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
