@@ -9,6 +9,8 @@ a thread (`asyncio.to_thread`), so they never block kopf's event loop.
 - Patches are JSON merge patches (RFC 7386); a `resourceVersion` in the patch makes it
   conditional (409 on a concurrent change).
 - `delete` treats 404 as done.
+- `list` is for a moment's look only (the runtime pods at a scale-down); what reconciles
+  read every pass comes from kopf's watches.
 - An `ApiError` says what was asked (`action`) and whether the API server refused it
   (`refused`: the reconcile makes that an Event and a condition).
 - Every call is counted (`calls`), so tests and benchmarks can see what reconciling costs.
@@ -41,6 +43,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Pod": ("v1", "pods", True),
     "Deployment": ("apps/v1", "deployments", True),
     "Service": ("v1", "services", True),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "ConfigMap": ("v1", "configmaps", True),
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices", True),
     "Event": ("v1", "events", True),
@@ -173,6 +176,13 @@ class Kube:
             if e.status == 404:
                 return None
             raise e.asked("get", kind, namespace, name)
+
+    async def list(self, kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        try:
+            return list((await self.request("GET", path_for(kind, namespace), query=query)).get("items") or [])
+        except ApiError as e:
+            raise e.asked("list", kind, namespace, label_selector or "*")
 
     async def create(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         """Create `obj`; on 409 answer the existing object. Returns (object, created)."""

@@ -8,6 +8,7 @@ reads back from these objects is observations.py's; which engines a spec needs, 
 
 - `build_job`: the build Job for one engine (`kiln build --request ...`).
 - `runtime_deployment`, `runtime_service`: the serving workload (`kiln serve ...`).
+- `disruption_budget`: the model's PodDisruptionBudget (a node drain takes one pod at a time).
 - `route_weights_patch`: the JSON Patch that sets backend weights on a Gateway API HTTPRoute or GRPCRoute.
 """
 
@@ -398,6 +399,28 @@ def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any], track: st
                            # The v2 gRPC endpoint (inference.GRPCInferenceService), HTTP/2 in clear.
                            {"name": GRPC_PORT_NAME, "port": GRPC_PORT, "targetPort": GRPC_PORT_NAME,
                             "protocol": "TCP", "appProtocol": "grpc"}]},
+    }
+
+
+def disruption_budget(model: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's PodDisruptionBudget `<model>`: an eviction (a node drain) takes at most one
+    of its runtime pods, of both tracks, at a time. `maxUnavailable: 1`, not `minAvailable`:
+    a model of one replica (or none) can still be drained off a node, where `minAvailable: 1`
+    would hold the drain forever. A PDB governs evictions only; the ReplicaSet controller
+    deletes pods itself on a scale-down, so the budget never holds one, to zero neither.
+    An unhealthy pod may always be evicted: a pod that does not serve protects nothing."""
+    meta = model["metadata"]
+    name = meta["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": meta["namespace"],
+                     "labels": {LABEL_MODEL: name, "app.kubernetes.io/name": "kiln-runtime",
+                                "app.kubernetes.io/instance": name, **MANAGED_BY},
+                     "ownerReferences": [owner_reference(model)]},
+        "spec": {"maxUnavailable": 1,
+                 "selector": {"matchLabels": {LABEL_MODEL: name, "app.kubernetes.io/component": "runtime"}},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     }
 
 

@@ -7,6 +7,8 @@ Pure: tested without a cluster (tests/operator/test_builders.py).
 - `job_state`, `termination_result`, `failure_message`: what a finished build Job and its pod say.
 - `observe_deployment`, `template_drift`: what a live runtime Deployment says, and where
   its pod template differs from what Kiln applied.
+- `serving_pod_addresses`, `pod_load`, `deletion_cost`: which runtime pod a scale-down
+  should remove first (the least busy).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def failure_message(state: JobState, pods: Iterable[Mapping[str, Any]]) -> tuple
 # On a runtime Deployment: the generation whose template was rolled out when Kiln last changed
 # its replicas alone (the next generation is then a scale, not a rollout).
 ANN_SCALED_FROM = "kiln.dev/scaled-from-generation"
+# On the stable Deployment: the hash of the PodDisruptionBudget last applied (no watch shows the budget).
+ANN_DISRUPTION_BUDGET = "kiln.dev/disruption-budget-hash"
 
 
 @dataclasses.dataclass
@@ -189,3 +193,68 @@ def template_drift(live: Mapping[str, Any] | None, applied: Mapping[str, Any]) -
 def slim_containers(containers: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """What the Deployments index keeps of each container: its name and DRIFT_FIELDS."""
     return [{k: c[k] for k in ("name", *DRIFT_FIELDS) if k in c} for c in containers]
+
+
+# ------------------------------------------------------------------------ which pod goes first
+
+# The ReplicaSet controller removes, among Ready pods, the lowest cost first (Kubernetes'
+# pod-deletion-cost, beta and on by default since 1.22; unready pods go before any Ready one).
+ANN_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+BUSY_RATIO, INFLIGHT = "kiln_engine_busy_ratio", "kiln_inflight_requests"
+COST_PER_BUSY = 1000  # the busy ratio in thousandths
+COST_PER_REQUEST = 10  # a request in flight weighs as 1 % busy: the load now, beside the last 30 s'
+MAX_COST = 2**31 - 1  # the annotation is an int32
+
+
+@dataclasses.dataclass(frozen=True)
+class PodLoad:
+    busy_ratio: float  # kiln_engine_busy_ratio: the engines' busy fraction over the last 30 s
+    inflight: float  # kiln_inflight_requests: accepted and not yet answered
+
+
+def pod_load(metrics_text: str) -> PodLoad:
+    """A runtime pod's load from its /metrics exposition (ValueError when it is none).
+    A pod serves one model; its series are summed (inflight) or the busiest taken (ratio)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    busy, inflight = 0.0, 0.0
+    try:
+        for family in text_string_to_metric_families(metrics_text):
+            for s in family.samples:
+                if s.name in (BUSY_RATIO, INFLIGHT) and s.value != s.value:
+                    raise ValueError(f"{s.name} is NaN")
+                if s.name == BUSY_RATIO:
+                    busy = max(busy, s.value)
+                elif s.name == INFLIGHT:
+                    inflight += s.value
+    except ValueError:
+        raise
+    except Exception as e:  # the parser raises what it meets; whatever it is, no load was read
+        raise ValueError(f"not a Prometheus exposition: {e}") from e
+    return PodLoad(busy, inflight)
+
+
+def deletion_cost(load: PodLoad | None) -> int:
+    """The pod's pod-deletion-cost: higher for a busier pod. A pod whose load could not be
+    read (None) is 0, the first to go: one that cannot answer its /metrics in time is the one
+    least known to serve, and its requests in flight still finish when it drains."""
+    if load is None:
+        return 0
+    busy = min(max(load.busy_ratio, 0.0), 1.0)
+    cost = round(COST_PER_BUSY * busy + COST_PER_REQUEST * max(load.inflight, 0.0))
+    return min(cost, MAX_COST)
+
+
+def serving_pod_addresses(pods: Iterable[Mapping[str, Any]], port_name: str) -> dict[str, str]:
+    """pod name -> `ip:port` of its `port_name` port, for the Ready pods that are not being
+    deleted (the only ones a cost orders)."""
+    out = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+        ports = [p.get("containerPort") for c in (pod.get("spec") or {}).get("containers") or ()
+                 for p in c.get("ports") or () if p.get("name") == port_name]
+        ip = status.get("podIP")
+        if ready and not meta.get("deletionTimestamp") and ip and ports:
+            out[meta["name"]] = f"[{ip}]:{ports[0]}" if ":" in ip else f"{ip}:{ports[0]}"
+    return out

@@ -4,22 +4,35 @@ Owns `Available`, `Degraded`, `status.replicas`, `status.readyReplicas` and
 `status.selector`; acts on the runtime Deployment and the Service (and, while a model that
 may go to zero has no Ready pod, the Service's EndpointSlice to the activator:
 `activation.py`). Applying is kubectl-apply style: the manifest and its hash ride in
-annotations; an unchanged hash and a live pod template that still has what Kiln set (image, command, args, env, resources,
-probes) is no write. A changed hash is a merge patch against the last applied manifest (so
+annotations; an unchanged hash and a live pod template that still has what Kiln set
+(image, command, args, env, resources, probes) is no write. A changed hash is a merge patch against the last applied manifest (so
 fields others set - annotations, replicas under an autoscaler - stay); containers edited
 outside Kiln are put back whole.
+
+The model's PodDisruptionBudget is applied beside the stable Deployment (no watch shows it:
+that Deployment records the budget's hash, so an unchanged budget costs no API call). Before
+a track's replicas go down, each of its Ready pods gets its load as its
+`controller.kubernetes.io/pod-deletion-cost` (read from the pod's own /metrics at that
+moment), so the ReplicaSet controller removes the idlest pod.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import Any, Mapping
+
+import aiohttp
 
 from kiln.operator import activation, manifests, observations
 from kiln.operator import conditions as cond
+from kiln.operator.kube import ApiError
 from kiln.operator.rollout import Track, Tracks
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
 from kiln.runtime.api import contract
+
+logger = logging.getLogger("kiln.operator.serving")
 
 OWNS = Owns(conditions=("Available", "Degraded"), fields=("replicas", "readyReplicas", "selector"))
 
@@ -33,6 +46,7 @@ async def step(p: Pass) -> StepResult:
         if tracks.stable is not None:
             dep = await apply_deployment(p, dep, tracks.stable, stable_replicas)
             await apply_service(p)
+            await apply_disruption_budget(p, dep)
         dep = await set_replicas(p, dep, stable_replicas)
         if tracks.canary is not None:
             canary = await set_replicas(p, await apply_deployment(p, canary, tracks.canary, tracks.canary_replicas),
@@ -125,6 +139,7 @@ async def set_replicas(p: Pass, dep: Mapping[str, Any] | None, replicas: int) ->
         return dep
     if int((dep.get("spec") or {}).get("replicas", 1)) == replicas:
         return dep
+    await before_scale_down(p, dep, replicas)
     patch: dict[str, Any] = {"spec": {"replicas": replicas}}
     if observations.observe_deployment(dep).rolled_out:  # then the generation this makes is a scale alone
         patch["metadata"] = {"annotations": {observations.ANN_SCALED_FROM: str(dep["metadata"].get("generation") or 0)}}
@@ -153,6 +168,8 @@ async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track,
     if annotations.get(contract.ANN_APPLIED_HASH) == track.hash and not drift:
         return dep
     old_key = ((dep["spec"].get("template") or {}).get("metadata") or {}).get("labels", {}).get(contract.LABEL_ENGINE_KEY)
+    if "replicas" in new["spec"]:  # replicas in the manifest (no autoscaler): this patch may scale down
+        await before_scale_down(p, dep, int(new["spec"]["replicas"]))
     dep = await kube.patch("Deployment", p.ns, name, restore_patch(last, new, drift))
     key = track.engines[0].engine.key
     if drift:
@@ -173,3 +190,89 @@ async def apply_service(p: Pass, track: str = manifests.STABLE) -> None:
         svc, _ = await p.ctx.kube.create(manifests.with_applied(desired))
     if (svc["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH) != manifests.manifest_hash(desired):
         await p.ctx.kube.patch("Service", p.ns, name, manifests.with_applied(desired))
+
+
+async def apply_disruption_budget(p: Pass, dep: Mapping[str, Any]) -> None:
+    """The model's PodDisruptionBudget, created or patched when the stable Deployment does not
+    record its hash yet (a new model, a changed budget, an operator that never applied one);
+    then the Deployment records it. A budget deleted by hand is back at the next change.
+    What the record's patch answers is not this pass's view of the Deployment: its status
+    may be newer than the watch's, and conditions would flip back and forth."""
+    desired = manifests.disruption_budget(p.model)
+    want = manifests.manifest_hash(desired)
+    if (dep["metadata"].get("annotations") or {}).get(observations.ANN_DISRUPTION_BUDGET) == want:
+        return
+    budget, created = await p.ctx.kube.create(manifests.with_applied(desired))
+    if not created and (budget["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH) != want:
+        await p.ctx.kube.patch("PodDisruptionBudget", p.ns, desired["metadata"]["name"], manifests.with_applied(desired))
+    await p.ctx.kube.patch("Deployment", p.ns, dep["metadata"]["name"],
+                           {"metadata": {"annotations": {observations.ANN_DISRUPTION_BUDGET: want}}})
+
+
+# Reading the pods' loads before a scale-down: bounded, so a pod that hangs delays it by a
+# second at most, and a hundred pods are not a hundred connections at once.
+METRICS_TIMEOUT_SECONDS = 1.0
+METRICS_AT_ONCE = 8
+METRICS_MAX_BYTES = 4 << 20
+
+
+async def before_scale_down(p: Pass, dep: Mapping[str, Any], replicas: int) -> None:
+    if 0 < replicas < int((dep.get("spec") or {}).get("replicas", 1)):  # to zero, every pod goes
+        await set_deletion_costs(p, dep)
+
+
+async def set_deletion_costs(p: Pass, dep: Mapping[str, Any]) -> None:
+    """Each Ready pod of `dep` gets its load as its pod-deletion-cost, so the scale-down that
+    follows removes the idlest. The pods are listed now, not watched (the operator would hold
+    every runtime pod in memory for a moment it needs rarely). Best effort: a list or a patch
+    that fails is a Warning Event and the scale-down goes on, in the ReplicaSet's own order."""
+    labels = ((dep.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {}
+    track = labels.get(contract.LABEL_TRACK, manifests.STABLE)
+    selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(p.name, track).items())
+    try:
+        pods = await p.ctx.kube.list("Pod", p.ns, selector)
+        addresses = observations.serving_pod_addresses(pods, manifests.RUNTIME_PORT_NAME)
+        loads = await read_pod_loads(addresses)
+        costs = {name: observations.deletion_cost(loads.get(name)) for name in addresses}
+        await asyncio.gather(*(set_deletion_cost(p, pod, costs[pod["metadata"]["name"]])
+                               for pod in pods if pod["metadata"]["name"] in costs))
+    except ApiError as e:
+        logger.warning("scale-down of %s/%s without deletion costs: %s", p.ns, dep["metadata"]["name"], e)
+        p.record("Warning", "ScaleDownUnordered", f"could not {e.action or 'set the pods deletion costs'}: "
+                 f"{e.message or e}; the ReplicaSet picks the pod to remove")
+
+
+async def set_deletion_cost(p: Pass, pod: Mapping[str, Any], cost: int) -> None:
+    if (pod["metadata"].get("annotations") or {}).get(observations.ANN_DELETION_COST) == str(cost):
+        return
+    try:
+        await p.ctx.kube.patch("Pod", p.ns, pod["metadata"]["name"],
+                               {"metadata": {"annotations": {observations.ANN_DELETION_COST: str(cost)}}})
+    except ApiError as e:
+        if e.status != 404:  # a pod gone meanwhile needs no cost
+            raise
+
+
+async def read_pod_loads(addresses: Mapping[str, str]) -> dict[str, observations.PodLoad]:
+    """pod name -> its load, from `http://<address>/metrics`; a pod that does not answer
+    in time, or not with metrics, is left out (its cost is then 0)."""
+    at_once = asyncio.Semaphore(METRICS_AT_ONCE)
+    timeout = aiohttp.ClientTimeout(total=METRICS_TIMEOUT_SECONDS)
+
+    async def one(session: aiohttp.ClientSession, name: str, address: str) -> tuple[str, observations.PodLoad | None]:
+        async with at_once:
+            try:
+                async with session.get(f"http://{address}/metrics") as resp:
+                    if resp.status != 200:
+                        return name, None
+                    text = (await resp.content.read(METRICS_MAX_BYTES)).decode(errors="replace")
+                return name, observations.pod_load(text)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                logger.info("pod %s did not tell its load (%s): cost 0", name, e or type(e).__name__)
+                return name, None
+
+    if not addresses:
+        return {}
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        found = await asyncio.gather(*(one(session, n, a) for n, a in addresses.items()))
+    return {name: load for name, load in found if load is not None}

@@ -1,6 +1,6 @@
 """Remove the engine-cache entries a plan names, and orphans and debris (a cache GC Job).
 
-    kiln cache-gc --plan /etc/kiln/gc/plan.json [--cache-dir DIR] [--dry-run]
+    kiln cache-gc --plan /etc/kiln/cache-gc/plan.json [--cache-dir DIR] [--dry-run]
 
 The operator decides and writes the plan (a ConfigMap mounted at --plan), having removed
 the due keys from its engine index first; this executes it on the claim, mounted

@@ -8,6 +8,9 @@ the engine cache's gauges (one volume, whatever the model: `claim` and `cache_na
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,6 +46,11 @@ class ServerMetrics:
             "kiln_engine_busy_seconds", "Seconds the execution contexts spent executing, divided "
             "by their number: the rate is the fraction of engine capacity in use (0..1) on every "
             "backend, the autoscaler's signal where no GPU metric exists.",
+            ["model", "version"], registry=r)
+        self.engine_busy_ratio = Gauge(
+            "kiln_engine_busy_ratio", f"Fraction of engine capacity in use over the last "
+            f"{BUSY_WINDOW_SECONDS:.0f} s (kiln_engine_busy_seconds over that window, read at scrape "
+            "time): one read says how busy the pod is now (the operator's pod-deletion-cost).",
             ["model", "version"], registry=r)
         self.executions = Counter(
             "kiln_executions", "Batch executions by outcome (success, retried, failed, refused).",
@@ -107,6 +115,48 @@ class ServerMetrics:
         # its collector on this registry when a GPU is present; absent otherwise).
         self.engine_cache = EngineCacheCollector()
         r.register(self.engine_cache)
+
+    def busy_window(self, model: str, version: str) -> "BusyWindow":
+        """The window behind `kiln_engine_busy_ratio{model, version}`: what `add` records
+        there is read at every scrape."""
+        window = BusyWindow()
+        self.engine_busy_ratio.labels(model, version).set_function(window.ratio)
+        return window
+
+
+BUSY_WINDOW_SECONDS = 30.0
+
+
+class BusyWindow:
+    """Busy seconds (already divided by the context count) in one-second buckets over the
+    last `seconds`: the counter's rate without a second sample. An execution counts in the
+    second it ended. Executions end on the event loop's threads, scrapes read from another:
+    a lock."""
+
+    def __init__(self, seconds: float = BUSY_WINDOW_SECONDS, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self._clock = seconds, clock
+        self._buckets: collections.deque[list[float]] = collections.deque()  # [second, busy seconds]
+        self._lock = threading.Lock()
+
+    def add(self, busy_seconds: float) -> None:
+        second = float(int(self._clock()))
+        with self._lock:
+            if self._buckets and self._buckets[-1][0] == second:
+                self._buckets[-1][1] += busy_seconds
+            else:
+                self._buckets.append([second, busy_seconds])
+            self._forget(second)
+
+    def ratio(self) -> float:
+        """0..1: the busy seconds of the window over its length."""
+        with self._lock:
+            self._forget(float(int(self._clock())))
+            busy = sum(b for _, b in self._buckets)
+        return min(1.0, busy / self.seconds)
+
+    def _forget(self, second: float) -> None:
+        while self._buckets and self._buckets[0][0] <= second - self.seconds:
+            self._buckets.popleft()
 
 
 # The engine cache's gauges, labelled `claim` (the PVC) and `cache_namespace` (the cache's

@@ -237,11 +237,12 @@ NAMESPACED_RULES = [
     {"apiGroups": ["kiln.dev"], "resources": ["inferencemodels/status", "inferencemodels/scale"],
      "verbs": ["get", "patch", "update"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "delete"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["configmaps"],  # delete: a cache GC plan a second operator made too
      "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},

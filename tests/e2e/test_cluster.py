@@ -549,6 +549,118 @@ def test_real_alerts_scale_a_model_up_under_load_hold_without_data_and_scale_dow
     kubectl("get", "hpa", "iris", "-n", namespace, show=True)
 
 
+# ------------------------------------------------------------------------ scale-down: which pod goes
+
+def deletion_cost(pod: dict) -> int | None:
+    value = (pod["metadata"].get("annotations") or {}).get("controller.kubernetes.io/pod-deletion-cost")
+    return None if value is None else int(value)
+
+
+class Traffic:
+    """Clients sending to one pod directly (its pod IP): `threads` loops of `rows`-row
+    requests. Every outcome is counted: answered (200), refused before it was taken (503:
+    the pod drains; connection refused: it is gone) and lost (sent, then no answer). With
+    `until_refused` a client stops at its first refusal, as a Service stops sending to a pod
+    that drains (its endpoint goes with readiness): what it sent before, the pod took."""
+
+    def __init__(self, pod: dict, threads: int, rows: int, pause: float = 0.0, until_refused: bool = False) -> None:
+        import collections
+        import threading
+
+        self.pod, self.rows, self.pause, self.until_refused = pod, rows, pause, until_refused
+        self.stop_flag, self.lock = threading.Event(), threading.Lock()
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.lost: list[str] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _one(self) -> str:
+        import http.client
+
+        try:
+            infer(self.pod, [[5.1, 3.5, 1.4, 0.2]] * self.rows)
+            return "answered"
+        except urllib.error.HTTPError as e:
+            return "refused" if e.code == 503 else f"http {e.code}"
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ConnectionRefusedError):
+                return "refused"
+            self.lost.append(repr(e))
+            return "lost"
+        except (http.client.HTTPException, ConnectionError, TimeoutError) as e:  # reset, closed mid-answer
+            self.lost.append(repr(e))
+            return "lost"
+
+    def _run(self) -> None:
+        import time
+
+        while not self.stop_flag.is_set():
+            outcome = self._one()
+            with self.lock:
+                self.outcomes[outcome] += 1
+            if outcome == "refused" and self.until_refused:
+                return
+            time.sleep(self.pause)
+
+    def __enter__(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def test_a_scale_down_removes_the_idlest_pod_and_answers_every_request_in_flight(
+        cluster, api, kubectl, namespace, transcript):
+    """Two replicas, one of them loaded (requests to its pod IP), the other nearly idle:
+    `kubectl scale kim --replicas=1` -> the operator sets each Ready pod's load as its
+    pod-deletion-cost, then the replicas -> the ReplicaSet controller removes the idle pod,
+    which drains: every request either pod took is answered. The model's
+    PodDisruptionBudget is there (the local control plane runs no disruption controller, so
+    nothing here evicts; a scale-down deletes, which no budget governs)."""
+    import re
+    import time
+
+    transcript.section("A scale-down removes the idlest pod")
+    models = demo_models(cluster, api, namespace)
+    kubectl("apply", "-f", "-", input=json.dumps(iris(namespace, "1", sha256(model_version(models, "1")), replicas=2)))
+    wait_for(lambda: api.status(namespace, "iris").get("phase") == "Ready"
+             and len([p for p in runtime_pods(api, namespace) if ready(p)]) == 2, 180, "two replicas Ready")
+    pdb = wait_for(lambda: api.get(f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/iris"), 30,
+                   "the model's PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["metadata"]["ownerReferences"][0]["name"] == "iris"
+    kubectl("get", "pdb", "-n", namespace, show=True)
+
+    busy, idle = sorted((p for p in runtime_pods(api, namespace) if ready(p)), key=lambda p: p["metadata"]["name"])
+
+    def busy_ratio(pod: dict) -> float:
+        text = urllib.request.urlopen(f"http://{pod['status']['podIP']}:8080/metrics", timeout=5).read().decode()
+        return float(re.search(r"^kiln_engine_busy_ratio\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+    with Traffic(busy, threads=6, rows=64) as heavy, Traffic(idle, threads=1, rows=1, pause=0.05,
+                                                                      until_refused=True) as light:
+        wait_for(lambda: busy_ratio(busy) > 10 * max(busy_ratio(idle), 0.001), 30, "the loaded pod the busier")
+        started = time.monotonic()
+        kubectl("scale", "kim", "iris", "-n", namespace, "--replicas=1", show=True)
+        wait_for(lambda: [p["metadata"]["name"] for p in pods(api, namespace, f"{contract.LABEL_MODEL}=iris")]
+                 == [busy["metadata"]["name"]], 120, "the idle pod removed")
+        removed_after = time.monotonic() - started
+        time.sleep(1)  # the loaded pod keeps answering after the scale-down
+    kept = api.get(f"/api/v1/namespaces/{namespace}/pods/{busy['metadata']['name']}")
+    assert ready(kept) and deletion_cost(kept) and deletion_cost(kept) > 0, kept["metadata"].get("annotations")
+    assert api.status(namespace, "iris").get("readyReplicas") == 1
+    assert heavy.lost == [] and light.lost == [], (heavy.lost, light.lost)
+    assert set(heavy.outcomes) == {"answered"}, heavy.outcomes  # the pod left never refused
+    assert light.outcomes["answered"] > 0 and set(light.outcomes) <= {"answered", "refused"}, light.outcomes
+    events = [e["message"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
+              if e["involvedObject"]["kind"] == "InferenceModel" and e["reason"] == "ScaleDownUnordered"]
+    assert events == []
+    transcript.add("# outcomes", f"loaded pod kept (cost {deletion_cost(kept)}): {dict(heavy.outcomes)}; "
+                                 f"idle pod removed after {removed_after:.1f} s: {dict(light.outcomes)}")
+
+
 # ------------------------------------------------------------------------ traffic: Gateway API HTTPRoutes
 
 HTTPROUTES = "/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes"

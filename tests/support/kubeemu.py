@@ -98,6 +98,7 @@ BUILTIN = [
     ResourceSpec("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", subresources=("status",)),
     ResourceSpec("batch", "v1", "jobs", "Job", subresources=("status",)),
     ResourceSpec("apps", "v1", "deployments", "Deployment", subresources=("status", "scale"), shortnames=("deploy",)),
+    ResourceSpec("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", subresources=("status",), shortnames=("pdb",)),
     ResourceSpec("events.k8s.io", "v1", "events", "Event", shortnames=("ev",)),
     ResourceSpec("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                  namespaced=False, subresources=("status",), shortnames=("crd",)),

@@ -77,6 +77,7 @@ class ContextPool:
                             for o in ("success", "retried", "failed", "refused")}
         self._recreations = metrics.context_recreations.labels(model)
         self._busy = metrics.engine_busy_seconds.labels(model, version)
+        self._busy_recently = metrics.busy_window(model, version)
         self._recovery = metrics.context_recovery_seconds.labels(model)
         self._slots = [Slot(i, ThreadPoolExecutor(1, thread_name_prefix=f"kiln-context-{i}"))
                        for i in range(size)]
@@ -144,6 +145,7 @@ class ContextPool:
         finally:  # failed attempts kept the context busy too
             seconds = self._clock() - started
             self._busy.inc(seconds / self.size)
+            self._busy_recently.add(seconds / self.size)
             self._recent_seconds = seconds if self._recent_seconds is None else (
                 _EWMA * seconds + (1 - _EWMA) * self._recent_seconds)
         self._consecutive_failures = 0

@@ -21,6 +21,7 @@ import math
 from typing import Any, Awaitable, Callable, Mapping
 
 from kiln.runtime.api.contract import RESULT_STORE_PASSWORD_ENV
+from kiln.runtime.serving.redisclient import StoreUnavailable, bounded_call, redis_client
 
 log = logging.getLogger("kiln.runtime.serving.resultstore")
 
@@ -28,11 +29,6 @@ KIB, MIB = 1 << 10, 1 << 20
 _WHERE = "runtime.resultCache.shared"
 _KEYS = ("address", "passwordSecretRef", "timeoutMilliseconds", "maxEntryKiB", "maxMiB",
          "waitMilliseconds")
-
-
-class StoreUnavailable(Exception):
-    """The shared store did not answer in time, refused the connection or the credentials,
-    is out of memory, or failed the command."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +189,6 @@ class RedisResultStore:
 
     def __init__(self, address: str, prefix: str, *, password: str | None = None,
                  timeout: float = 0.05):
-        from kiln.runtime.serving.sequences.stores import redis_client
-
         self.address = address
         self.prefix = prefix
         self.timeout = timeout
@@ -233,16 +227,8 @@ class RedisResultStore:
 
         where = f"the shared result store {self.address}"
         try:
-            async with asyncio.timeout(self.timeout):
-                return await coro
-        except TimeoutError:
-            raise StoreUnavailable(f"{where} did not answer {what} within "
-                                   f"{self.timeout * 1000:g} ms") from None
-        except rx.AuthenticationError as e:
-            raise StoreUnavailable(f"{where} refused the credentials ({e}); check the Secret "
-                                   f"behind {RESULT_STORE_PASSWORD_ENV}") from None
-        except (rx.ConnectionError, rx.TimeoutError, OSError) as e:
-            raise StoreUnavailable(f"{where} cannot be reached: {e}") from None
+            return await bounded_call(coro, timeout=self.timeout, where=where, what=what,
+                                      password_env=RESULT_STORE_PASSWORD_ENV)
         except rx.RedisError as e:  # OOM, NOAUTH, a script refused: all a miss, never an error
             raise StoreUnavailable(f"{where} failed {what}: {e}") from None
 

@@ -16,14 +16,12 @@ import time
 from typing import Any, Awaitable, Callable, Mapping, Protocol
 
 from kiln.runtime.api.contract import SEQUENCE_STORE_PASSWORD_ENV
+# StoreUnavailable is part of this module's contract (the manager catches it from here).
+from kiln.runtime.serving.redisclient import StoreUnavailable, bounded_call, redis_client  # noqa: F401
 from kiln.runtime.serving.sequences.codec import TOKEN_BYTES, TOKEN_OFFSET, token_of
 from kiln.runtime.serving.sequences.spec import StoreSpec
 
 log = logging.getLogger(__name__)
-
-
-class StoreUnavailable(Exception):
-    """The store did not answer in time, refused the connection, or failed the command."""
 
 
 class StoreFull(Exception):
@@ -135,20 +133,6 @@ _VERDICTS = {1: OK, 0: CONFLICT, -1: MISSING}
 _SCRIPT_MAX_BYTES = 256 << 10
 
 
-def redis_client(address: str, password: str | None, timeout: float) -> Any:
-    """A redis.asyncio client for Kiln's stores: host:port or a redis:// / rediss:// URL,
-    every socket operation bounded by `timeout`, and no retries of its own (a failure is
-    the caller's to turn into StoreUnavailable at once)."""
-    import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    url = address if "://" in address else f"redis://{address}"
-    return aioredis.Redis.from_url(url, password=password or None, socket_timeout=timeout,
-                                   socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
-                                   health_check_interval=0)
-
-
 class RedisStore:
     """Redis through `redis.asyncio`: GET to read; to write, compare the token, then SET with
     PX, atomically (a Lua script, or for large values WATCH + MULTI/EXEC), so a write is whole
@@ -166,23 +150,14 @@ class RedisStore:
     async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
         import redis.exceptions as rx
 
+        where = f"the sequence store {self.address}"
         try:
-            async with asyncio.timeout(self.timeout):
-                return await coro
-        except TimeoutError:
-            raise StoreUnavailable(f"the sequence store {self.address} did not answer {what} "
-                                   f"within {self.timeout * 1000:g} ms") from None
-        except rx.AuthenticationError as e:
-            raise StoreUnavailable(f"the sequence store {self.address} refused the credentials "
-                                   f"({e}); check the Secret behind "
-                                   f"{SEQUENCE_STORE_PASSWORD_ENV}") from None
-        except (rx.ConnectionError, rx.TimeoutError, OSError) as e:
-            raise StoreUnavailable(f"the sequence store {self.address} cannot be reached: "
-                                   f"{e}") from None
+            return await bounded_call(coro, timeout=self.timeout, where=where, what=what,
+                                      password_env=SEQUENCE_STORE_PASSWORD_ENV)
         except rx.ResponseError as e:
             if "OOM" in str(e):
-                raise StoreFull(f"the sequence store {self.address} is out of memory: {e}") from None
-            raise StoreUnavailable(f"the sequence store {self.address} failed {what}: {e}") from None
+                raise StoreFull(f"{where} is out of memory: {e}") from None
+            raise StoreUnavailable(f"{where} failed {what}: {e}") from None
 
     async def get(self, key: str) -> bytes | None:
         return await self._call("a read", self._client.get(key))

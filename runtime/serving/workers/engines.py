@@ -178,13 +178,17 @@ async def _stop_when_orphaned(stop: asyncio.Event) -> None:
     stop.set()
 
 
+BUSY_FRACTIONS = ("kiln_engine_busy_seconds", "kiln_engine_busy_ratio")  # of the pod's capacity: / engines
+
+
 def merge_metrics(texts: list[bytes], engines: int) -> bytes:
     """The first engine's exposition (`texts[0]`) with the other engines' added in: counters,
     histograms and gauges summed by series, except `kiln_model_ready` (the lowest: ready
     only when every engine is), the first engine's own `kiln_model_info`,
     `kiln_engine_load_seconds` and `kiln_engine_cache_*` (one volume, however many engines
-    read it), and `kiln_engine_busy_seconds` divided by the engine count (its rate stays the
-    fraction of the pod's engine capacity in use, 0..1)."""
+    read it), and `kiln_engine_busy_seconds` and `kiln_engine_busy_ratio` divided by the
+    engine count (the rate, and the ratio, stay the fraction of the pod's engine capacity in
+    use, 0..1: a ratio is averaged over the engines, not summed)."""
     from prometheus_client.core import Metric
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
@@ -215,7 +219,7 @@ def merge_metrics(texts: list[bytes], engines: int) -> bytes:
         def collect(self):
             for name, family in families.items():
                 merged = Metric(name, family.documentation, family.type, family.unit)
-                scale = 1 / engines if name == "kiln_engine_busy_seconds" else 1
+                scale = 1 / engines if name in BUSY_FRACTIONS else 1
                 for (sample, labels), value in values[name].items():
                     merged.add_sample(sample, dict(labels),
                                       value if sample.endswith("_created") else value * scale)
