@@ -1,6 +1,7 @@
 """`kiln`: one console script, one subcommand per job.
 
     kiln operator   the kopf operator (operator Deployment)
+    kiln activator  hold requests for models scaled to zero (activator Deployment)
     kiln build      build one engine and publish it into the cache (build Job)
     kiln cache-gc   remove the engine-cache entries a plan names, orphans and debris (GC Job)
     kiln serve      serve a cached engine over the Open Inference Protocol (runtime pod)
@@ -29,6 +30,7 @@ from kiln import __version__
 # configure() must not import heavy dependencies: it runs for every `kiln --help`.
 SUBCOMMANDS = {
     "operator": ("kiln.operator.main", "operator"),
+    "activator": ("kiln.activator.command", "operator"),
     "build": ("kiln.runtime.commands.build", "runtime"),
     "cache-gc": ("kiln.runtime.commands.cache_gc", "runtime"),
     "serve": ("kiln.runtime.commands.serve", "runtime"),

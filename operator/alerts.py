@@ -187,7 +187,7 @@ class Receiver:
         for alert in alerts:
             labels = alert.get("labels") or {}
             name, ns, model = labels.get("alertname"), labels.get("namespace"), labels.get("model")
-            if name not in sig.ALERTS or not ns or not model:
+            if name not in sig.RECEIVED or not ns or not model:
                 tally["ignored"] += 1
                 continue
             if not (specmod.is_namespace(ns) and specmod.is_name(model)):

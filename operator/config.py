@@ -39,6 +39,9 @@ class OperatorConfig:
     cache_gc_grace_seconds: float = 86400.0
     cache_gc_dry_run: bool = False
     cache_gc_job_timeout_seconds: int = 1800
+    # The activator's Service, "namespace/name" (`kiln activator`, installed by the chart): a
+    # model with minReplicas 0 goes to zero only with one, its Service then pointing there.
+    activator_service: str | None = None
 
     def backend_version(self, backend: str) -> str:
         try:

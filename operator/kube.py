@@ -45,6 +45,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Service": ("v1", "services", True),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets", True),
     "ConfigMap": ("v1", "configmaps", True),
+    "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices", True),
     "Event": ("v1", "events", True),
     "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes", True),
     "GRPCRoute": ("gateway.networking.k8s.io/v1", "grpcroutes", True),

@@ -89,8 +89,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(a deleted model's engines too)")
     parser.add_argument("--cache-gc-dry-run", action="store_true",
                         help="decide and report (Events EngineRemovable, the GC Job's log), remove nothing")
+    parser.add_argument("--activator-service", default=None, metavar="NS/NAME", type=_namespaced_name,
+                        help="the activator's Service (`kiln activator`): models with minReplicas 0 go to zero, "
+                             "their Service pointing there; without it they stay at one replica")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def _namespaced_name(text: str) -> str:
+    namespace, _, name = text.partition("/")
+    if not namespace or not name or "/" in name:
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE/NAME, got {text!r}")
+    return text
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -111,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         cache_gc_retention=args.cache_gc_retention,
         cache_gc_grace_seconds=args.cache_gc_grace_seconds,
         cache_gc_dry_run=args.cache_gc_dry_run,
+        activator_service=args.activator_service,
     )
 
 

@@ -23,8 +23,13 @@ receiver recorded (`signals.py`), the state it keeps in `status.scaling` and the
 - down: likewise toward the goal, only when KilnUtilizationLow has fired for
   `scaleDownStabilizationSeconds`, and `scaleDownCooldownSeconds` after the last change; at
   most `maxStep` at a time, never below `minReplicas`.
-- a change made by someone else (`kubectl scale`) is recorded and kept, not fought: it
-  starts the cooldowns like any change. Only a count outside [min, max] is put back.
+- a change made by someone else (`kubectl scale`, the activator's scale from zero) is
+  recorded and kept, not fought: it starts the cooldowns like any change. Only a count
+  outside [min, max] is put back.
+- to zero (`_idle`): only with minReplicas 0, once KilnModelIdle ("no requests", not low
+  utilization) has been active for `scaleToZeroAfterSeconds` with no scale change since,
+  and only where the activator is installed (it holds the requests that bring the model
+  back), else a hold that says so. Utilization alone never goes below one replica.
 
 Each change, and each new reason to hold, goes into the bounded history and an Event.
 """
@@ -44,6 +49,9 @@ from kiln.runtime.api import contract
 
 OWNS = Owns(fields=("scaling",), sticky=("scaling",))
 HISTORY = 10  # status.scaling.history entries kept
+# scaleToZeroAfterSeconds when unset: the operator's default, not the CRD's, so the defaulted
+# spec of a model that does not scale to zero is what it was.
+DEFAULT_TO_ZERO_AFTER = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +72,21 @@ class Policy:
     up_cooldown: float
     down_cooldown: float
     stabilization: float
+    to_zero_after: float = DEFAULT_TO_ZERO_AFTER  # scaleToZeroAfterSeconds: KilnModelIdle this long (minReplicas 0)
+    activator: bool = False  # installed: a model at zero gets its requests held, so it may go there
 
     @classmethod
-    def from_spec(cls, auto: Mapping[str, Any]) -> "Policy":
+    def from_spec(cls, auto: Mapping[str, Any], activator: bool = False) -> "Policy":
         """From a defaulted spec's `autoscaling` (the CRD holds the defaults)."""
         return cls(int(auto["minReplicas"]), int(auto["maxReplicas"]), int(auto["targetGPUUtilization"]) / 100,
                    int(auto["maxStep"]), float(auto["scaleUpCooldownSeconds"]),
-                   float(auto["scaleDownCooldownSeconds"]), float(auto["scaleDownStabilizationSeconds"]))
+                   float(auto["scaleDownCooldownSeconds"]), float(auto["scaleDownStabilizationSeconds"]),
+                   float(auto.get("scaleToZeroAfterSeconds", DEFAULT_TO_ZERO_AFTER)), activator)
+
+    @property
+    def floor(self) -> int:
+        """The fewest replicas utilization may scale down to (zero is only ever the idle signal's)."""
+        return max(1, self.min_replicas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +112,33 @@ def decide(policy: Policy, current: int, ready: int, signals: Mapping[str, sig.S
         return Decision(current, "ScaledExternally", "scale",
                         f"spec.runtime.replicas set to {current} outside the autoscaler; kept")
     active = {name: s for name, s in signals.items() if s.active(now, ttl)}
+    d = _on_utilization(policy, current, ready, active, state, now, last_change)
+    idle = active.get(sig.IDLE) if policy.min_replicas == 0 and current > 0 else None
+    return d if idle is None else _idle(policy, current, idle, last_change, now, d)
+
+
+def _idle(policy: Policy, current: int, idle: sig.Signal, last_change: datetime.datetime | None,
+          now: datetime.datetime, otherwise: Decision) -> Decision:
+    """KilnModelIdle is active and the model may go to zero: to zero once it has been idle
+    for `to_zero_after` since it last changed size (an activation brought it back: a full
+    idle time again); until then `otherwise` (what utilization says), woken when the time is up."""
+    since = idle.starts_at if last_change is None else max(idle.starts_at, last_change)
+    idle_for = (now - since).total_seconds()
+    if idle_for < policy.to_zero_after:
+        wait, later = policy.to_zero_after - idle_for, otherwise.look_again
+        return dataclasses.replace(otherwise, look_again=wait if later is None else min(later, wait))
+    said = f"no requests for {idle_for:.0f}s (scaleToZeroAfterSeconds {policy.to_zero_after:.0f})"
+    if not policy.activator:
+        return Decision(current, "NoActivator", sig.IDLE,
+                        f"{said}, but the activator is not installed (the chart's activator.enabled): "
+                        f"nothing would hold the requests at zero; holding at {current}")
+    return Decision(0, "ScaledToZero", sig.IDLE, said)
+
+
+def _on_utilization(policy: Policy, current: int, ready: int, active: Mapping[str, sig.Signal],
+                    state: Mapping[str, Any], now: datetime.datetime,
+                    last_change: datetime.datetime | None) -> Decision:
+    """The utilization alerts' decision (the module docstring says the rules)."""
     if sig.MISSING in active:
         return Decision(current, "NoMetrics", sig.MISSING, "the utilization metric is missing: holding")
     high, low = active.get(sig.HIGH), active.get(sig.LOW)
@@ -128,9 +171,9 @@ def _toward(policy: Policy, current: int, ready: int, name: str, signal: sig.Sig
                             look_again=policy.up_cooldown - since_change, goal=goal)
         to = min(policy.max_replicas, current + policy.max_step, goal)
         return Decision(to, "UtilizationHigh", name, _says(seen, f"goal {goal}"), goal=goal)
-    if current <= policy.min_replicas:
-        return Decision(current, "AtMinReplicas", name, _says(seen, f"at minReplicas {policy.min_replicas}"),
-                        goal=goal)
+    if current <= policy.floor:
+        return Decision(current, "AtMinReplicas", name, _says(seen, f"at minReplicas {policy.min_replicas}"
+                        if policy.min_replicas else "at 1 replica (only no requests at all goes to zero)"), goal=goal)
     low_for = (now - signal.starts_at).total_seconds()
     if low_for < policy.stabilization:
         return Decision(current, "Stabilizing", name, _says(seen, f"low for {low_for:.0f}s of the "
@@ -139,7 +182,7 @@ def _toward(policy: Policy, current: int, ready: int, name: str, signal: sig.Sig
     if since_change < policy.down_cooldown:
         return Decision(current, "CooldownActive", name, _says(seen, "scale-down cooldown"),
                         look_again=policy.down_cooldown - since_change, goal=goal)
-    to = max(policy.min_replicas, current - policy.max_step, goal)
+    to = max(policy.floor, current - policy.max_step, goal)
     return Decision(to, "UtilizationLow", name, _says(seen, f"goal {goal}"), goal=goal)
 
 
@@ -157,7 +200,7 @@ def _goal(policy: Policy, current: int, signal: sig.Signal, state: Mapping[str, 
     goal = state.get("goal")
     if not isinstance(goal, int):
         return None
-    goal = min(max(goal, policy.min_replicas), policy.max_replicas)  # at a bound, old news asks nothing
+    goal = min(max(goal, policy.floor), policy.max_replicas)  # at a bound, old news asks nothing
     return goal if (goal > current if up else goal < current) else None
 
 
@@ -222,7 +265,7 @@ async def step(p: Pass) -> StepResult:
     current = int((p.spec.get("runtime") or {}).get("replicas", 1))
     ready = sum(int(((p.views.deployment(p.ns, manifests.runtime_name(p.name, t)) or {}).get("status") or {})
                     .get("readyReplicas") or 0) for t in (manifests.STABLE, manifests.CANARY))
-    d = decide(Policy.from_spec(auto), current, ready, sig.parse(p.model["metadata"].get("annotations")),
+    d = decide(Policy.from_spec(auto, activator=p.ctx.config.activator_service is not None), current, ready, sig.parse(p.model["metadata"].get("annotations")),
                state, now, p.ctx.config.signal_ttl_seconds)
     new_state, recorded = next_state(state, current, d, now)
     if d.replicas != current:

@@ -1,10 +1,11 @@
 """The serving step: each track's Deployment and the Service are what the rollout step decided.
 
 Owns `Available`, `Degraded`, `status.replicas`, `status.readyReplicas` and
-`status.selector`; acts on the runtime Deployment and the Service. Applying is
-kubectl-apply style: the manifest and its hash ride in annotations; an unchanged hash and
-a live pod template that still has what Kiln set (image, command, args, env, resources,
-probes) is no write. A changed hash is a merge patch against the last applied manifest (so
+`status.selector`; acts on the runtime Deployment and the Service (and, while a model that
+may go to zero has no Ready pod, the Service's EndpointSlice to the activator:
+`activation.py`). Applying is kubectl-apply style: the manifest and its hash ride in
+annotations; an unchanged hash and a live pod template that still has what Kiln set
+(image, command, args, env, resources, probes) is no write. A changed hash is a merge patch against the last applied manifest (so
 fields others set - annotations, replicas under an autoscaler - stay); containers edited
 outside Kiln are put back whole.
 
@@ -24,7 +25,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from kiln.operator import manifests, observations
+from kiln.operator import activation, manifests, observations
 from kiln.operator import conditions as cond
 from kiln.operator.kube import ApiError
 from kiln.operator.rollout import Track, Tracks
@@ -57,6 +58,7 @@ async def step(p: Pass) -> StepResult:
             p.record("Normal", "CanaryRemoved", f"deleted Deployment {canary['metadata']['name']}")
             canary = None
     seen, seen_canary = observations.observe_deployment(dep), observations.observe_deployment(canary)
+    await activation.route(p, seen.ready + seen_canary.ready)  # at zero, the Service goes to the activator
     failed = any(o.state == "Failed" for o in p.out["engines"])
     conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists),
                   "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None,

@@ -22,7 +22,10 @@ from typing import Any, Mapping
 ANN_SIGNALS = "autoscaling.kiln.dev/signals"
 
 HIGH, LOW, MISSING = "KilnUtilizationHigh", "KilnUtilizationLow", "KilnUtilizationMissing"
-ALERTS = (HIGH, LOW, MISSING)
+ALERTS = (HIGH, LOW, MISSING)  # the utilization rules (files/kiln-autoscaling.rules.yaml)
+# No requests at all (files/kiln-idle.rules.yaml): with minReplicas 0, the way to zero.
+IDLE = "KilnModelIdle"
+RECEIVED = ALERTS + (IDLE,)  # every alert the receiver records
 FIRING, RESOLVED = "firing", "resolved"
 
 # A repeat of an unchanged alert refreshes `seen` (fresh evidence for the next step) at most
@@ -79,7 +82,7 @@ def parse(annotations: Mapping[str, Any] | None) -> dict[str, Signal]:
     text = (annotations or {}).get(ANN_SIGNALS)
     try:
         data = json.loads(text) if text else {}
-        return {name: Signal.from_json(v) for name, v in data.items() if name in ALERTS}
+        return {name: Signal.from_json(v) for name, v in data.items() if name in RECEIVED}
     except (ValueError, KeyError, TypeError, AttributeError):
         return {}
 

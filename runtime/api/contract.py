@@ -38,6 +38,12 @@ ANN_APPLIED_HASH = "kiln.dev/applied-hash"  # its hash: unchanged hash, no write
 # Outside kopf's kiln.dev/ prefix, which its diffs leave out: setting it is an event.
 ANN_ROLLOUT_ACTION = "rollout.kiln.dev/action"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kiln", "app.kubernetes.io/part-of": "kiln"}
+# A model at zero replicas: the operator writes an EndpointSlice for its Service that points at
+# the activator's pods (`kiln activator` holds the requests); the activator watches those
+# slices, by this managed-by, to learn which models it holds for.
+LABEL_SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+LABEL_SLICE_SERVICE = "kubernetes.io/service-name"
+ACTIVATOR_SLICE_MANAGER = "activator.kiln.dev"  # a label value: no "/"
 
 ENGINE_INDEX = "kiln-engine-index"  # ConfigMap per namespace: "<key>.<target>" -> build result JSON
 

@@ -46,6 +46,7 @@ RULES_FILE = CHART / "files" / "kiln-autoscaling.rules.yaml"
 RULES_KEY = "kiln-autoscaling.rules.yaml"
 CACHE_RULES_FILE = CHART / "files" / "kiln-cache.rules.yaml"
 CACHE_RULES_KEY = "kiln-cache.rules.yaml"
+IDLE_RULES_FILE = CHART / "files" / "kiln-idle.rules.yaml"  # tests/chart/test_chart_scale_to_zero.py
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -571,6 +572,7 @@ RULE_TESTS = {
     "dcgm_gpu_util_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_DEV_GPU_UTIL",),
     "dcgm_engine_active_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
     "cache_filling_test.yaml": (),  # the engine cache's rules (kiln-cache.rules.yaml), shipped as they are
+    "model_idle_test.yaml": (),  # the scale-to-zero rule (kiln-idle.rules.yaml), shipped as it is
 }
 RULE_VARIANTS = {"default": (), "short-windows": SHORT_WINDOWS, **{
     name.removesuffix("_test.yaml"): sets for name, sets in RULE_TESTS.items() if sets}}
@@ -686,6 +688,7 @@ def test_promtool_rules_unit_tests(tmp_path, test_file):
     sets = RULE_TESTS[test_file]
     (tmp_path / RULES_KEY).write_text(rules_text(*sets) if sets else RULES_FILE.read_text())
     shutil.copy(CACHE_RULES_FILE, tmp_path / CACHE_RULES_KEY)
+    shutil.copy(IDLE_RULES_FILE, tmp_path / IDLE_RULES_FILE.name)
     shutil.copy(ROOT / "tests" / "chart" / "rules" / test_file, tmp_path / test_file)
     out = promtool("test", "rules", test_file, cwd=tmp_path)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr

@@ -40,6 +40,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* Labels of the activator's objects, and those that select its pods. */}}
+{{- define "kiln.activatorLabels" -}}
+{{ include "kiln.commonLabels" . }}
+app.kubernetes.io/component: activator
+{{- end -}}
+
+{{- define "kiln.activatorSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kiln.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: activator
+{{- end -}}
+
+{{/* The activator's Service (and Deployment, ServiceAccount, roles): the operator's --activator-service. */}}
+{{- define "kiln.activatorName" -}}
+{{- printf "%s-activator" (include "kiln.fullname" .) -}}
+{{- end -}}
+
 {{/* The operator's ServiceAccount. */}}
 {{- define "kiln.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
@@ -90,6 +107,12 @@ app.kubernetes.io/component: operator
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+{{- if .Values.activator.enabled }}
+# A model at zero: its Service's EndpointSlice to the activator (operator/activation.py).
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, create, patch, delete]
+{{- end }}
 {{- if .Values.rbac.gatewayAPI }}
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes, grpcroutes]
