@@ -20,7 +20,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kiln import __version__
-from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused
+from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused, Unknown
 from kiln.activator.routing import NAMESPACE_HEADER, model_key
 from kiln.activator.table import Endpoint, Key
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
@@ -114,6 +114,8 @@ class GrpcProxy:
             except Refused as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, e.message,
                                     trailing_metadata=(("retry-after", str(e.retry_after)),))
+            except Unknown as e:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             channel = self._channel(endpoint)
             try:
                 async with asyncio.timeout(CONNECT_SECONDS):

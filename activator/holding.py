@@ -40,6 +40,10 @@ class Refused(Exception):
         return self.message
 
 
+class Unknown(Exception):
+    """The request names no model the activator serves: 404 (gRPC NOT_FOUND)."""
+
+
 @dataclasses.dataclass
 class _Model:
     held: int = 0
@@ -66,6 +70,10 @@ class Holder:
         ready = self.table.ready(key)
         if ready:
             return self._pick(ready)
+        if not self.table.known(key):
+            # The name and namespace come from the request: only a model whose Service points
+            # here is held and scaled, so no caller can wake (or fill memory with) any other.
+            raise Unknown(f"model {key[0]}/{key[1]} is not one the activator holds requests for")
         model = self._models.setdefault(key, _Model())
         if model.held >= self.max_queued:
             raise Refused(f"{key[0]}/{key[1]} is starting and {model.held} requests are already held "

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused
+from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused, Unknown
 from kiln.activator.routing import NAMESPACE_HEADER, model_key
 from kiln.activator.table import Endpoint
 
@@ -96,6 +96,8 @@ class RestProxy:
                 endpoint = await self.holder.endpoint(key)
             except Refused as e:
                 return refused(e)
+            except Unknown as e:
+                return _json(404, {"error": str(e)})
             try:
                 return await self._send(request, endpoint, headers, body)
             except aiohttp.ClientConnectorError as e:  # nothing was sent: another try is safe

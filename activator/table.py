@@ -92,6 +92,10 @@ class Table:
     def set_activating(self, keys: set[Key]) -> None:
         self._activating = set(keys)
 
+    def known(self, key: Key) -> bool:
+        """A model the activator serves: one with Ready pods, or whose Service points here."""
+        return key in self._activating or key in self._ready
+
     def namespace_of(self, model: str) -> str | None:
         """The one namespace a model of this name is known in (a short Host such as
         `resnet:8080` names none), else None."""

@@ -14,17 +14,13 @@ once). M autoscaled models, every one Ready.
    pays).
 2. From the webhook POST (what Alertmanager sends) to spec.runtime.replicas changed in the
    API server (polled every 2 ms): once per model, sequentially.
-3. From a load step to the first new replica Ready, everything real (tests/support/localcluster with
-   Kiln installed by helm, `kiln serve` pods run by the kubelet harness, Debian's Prometheus
-   and Alertmanager): the chart's rules with their shipped windows, a 15 s scrape and
-   evaluation interval, the documented Alertmanager route; each stage's time as observed by
-   polling every 0.5 s.
+
+From a load step to a new replica Ready, with Prometheus and Alertmanager: benchmarks/scale_up.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import ssl
@@ -35,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -210,111 +205,9 @@ def measure(models: int, seconds: float) -> dict[str, Any]:
         cp.stop()
 
 
-def _load_step(quick: bool) -> dict[str, float]:
-    """Part 3: seconds from the load step to each stage."""
-    import base64
-    import threading
-    import urllib.request
-
-    from support import localcluster, monitoring
-    from support.localcluster.client import Api, pods, ready, wait_for
-
-    root = Path(tempfile.mkdtemp(prefix="kiln-bench-loadstep-"))
-    cluster = localcluster.LocalCluster(root).up()
-    stop = threading.Event()
-    servers: list[Any] = []
-    try:
-        api = Api(cluster.kubeconfig)
-        ns = "bench"
-        api.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        cluster.seed_demo(ns)
-        model = yaml.safe_load((REPO / "examples" / "demo" / "cluster.yaml").read_text())
-        model["metadata"]["namespace"] = ns
-        model["spec"]["runtime"]["replicas"] = 1
-        model["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetGPUUtilization": 20}
-        api.request("POST", f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels", model)
-        path = f"/apis/kiln.dev/v1alpha1/namespaces/{ns}/inferencemodels/iris"
-        wait_for(lambda: (api.get(path) or {}).get("status", {}).get("phase") == "Ready", 300, "iris Ready")
-        op = next(p for p in pods(api, localcluster.RELEASE_NAMESPACE, "app.kubernetes.io/component=operator") if ready(p))
-        port = localcluster.INSTALL_VALUES["autoscaling"]["receiver"]["port"]
-        secret = api.get(f"/api/v1/namespaces/{localcluster.RELEASE_NAMESPACE}/secrets/{localcluster.RELEASE}-alert-token")
-        (root / "token").write_text(base64.b64decode(secret["data"]["token"]).decode())
-        cp = cluster.control_plane
-        discovery = monitoring.PodDiscovery(cp.server, [ns], ca_file=str(cp.ca), cert_file=str(cp.root / "pki" / "admin.crt"),
-                                            key_file=str(cp.root / "pki" / "admin.key")).start()
-        servers.append(discovery)
-        am = monitoring.Alertmanager(root / "am", monitoring.kiln_alertmanager_config(
-            f"http://{op['status']['podIP']}:{port}/alerts", str(root / "token"), group_wait="10s",
-            group_interval="30s", repeat_interval="2m"))
-        servers.append(am)
-        interval = "5s" if quick else "15s"
-        rules = subprocess.run([str(localcluster.HELM), "template", "kiln", str(REPO / "charts" / "kiln"), "--show-only",
-                                "templates/autoscaling-rules.yaml", "--set", "autoscaling.rulesConfigMap.enabled=true"],
-                               check=True, stdout=subprocess.PIPE, text=True).stdout
-        rules_file = root / "kiln.rules.yaml"
-        rules_file.write_text(next(d for d in yaml.safe_load_all(rules) if d and d["kind"] == "ConfigMap")["data"][
-            "kiln-autoscaling.rules.yaml"])
-        prom = monitoring.Prometheus(root / "prom", rule_files=[rules_file], alertmanagers=[am.url],
-                                     scrape_interval=interval, evaluation_interval=interval, resend_delay="1m",
-                                     scrape_configs=[monitoring.pod_http_sd_scrape_config(discovery.url),
-                                                     monitoring.operator_scrape_config(
-                                                         f"{op['status']['podIP']}:{port}",
-                                                         labels={"namespace": localcluster.RELEASE_NAMESPACE})])
-        servers.append(prom)
-        am.start()
-        prom.start()
-        prom.wait_for(f'kiln:utilization:ratio{{namespace="{ns}"}}', timeout=180)
-        time.sleep(70)  # a minute of idle history, as a running cluster has
-
-        body = json.dumps({"inputs": [{"name": "features", "shape": [64, 4], "datatype": "FP32",
-                                       "data": [0.5] * 256}]}).encode()
-
-        def client() -> None:
-            while not stop.is_set():
-                for pod in [p for p in pods(api, ns, "kiln.dev/model=iris") if ready(p)][:1]:
-                    try:
-                        for _ in range(20):
-                            urllib.request.urlopen(urllib.request.Request(
-                                f"http://{pod['status']['podIP']}:8080/v2/models/iris/infer", data=body,
-                                headers={"Content-Type": "application/json"}), timeout=10).read()
-                    except OSError:
-                        pass
-
-        stages: dict[str, float] = {}
-        t0 = time.monotonic()
-        for _ in range(8):
-            threading.Thread(target=client, daemon=True).start()
-
-        def mark(name: str, happened: bool) -> None:
-            if happened and name not in stages:
-                stages[name] = time.monotonic() - t0
-
-        while "ready" not in stages and time.monotonic() - t0 < 600:
-            util = prom.value(f'kiln:utilization:ratio{{namespace="{ns}",model="iris"}}') or 0.0
-            mark("utilization above target", util > 0.2)
-            alerts = [a for a in prom.alerts() if a["labels"].get("alertname") == "KilnUtilizationHigh"]
-            mark("alert pending", bool(alerts))
-            mark("alert firing", any(a["state"] == "firing" for a in alerts))
-            obj = api.get(path) or {}
-            mark("signal received", "KilnUtilizationHigh" in (obj["metadata"].get("annotations") or {}).get(
-                "autoscaling.kiln.dev/signals", ""))
-            mark("replicas patched", obj["spec"]["runtime"]["replicas"] == 2)
-            running = [p for p in pods(api, ns, "kiln.dev/model=iris") if not p["metadata"].get("deletionTimestamp")]
-            mark("pod created", len(running) == 2)
-            mark("ready", len([p for p in running if ready(p)]) == 2)
-            time.sleep(0.5)
-        return stages
-    finally:
-        stop.set()
-        for server in reversed(servers):
-            server.stop()
-        cluster.down()
-
-
 def run(quick: bool) -> str:
     models, seconds = (10, 5.0) if quick else (50, 20.0)
     r = measure(models, seconds)
-    stages = _load_step(quick)
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
     t50, t99, tmax = (_percentile(r["to_replicas"], 0.5), _percentile(r["to_replicas"], 0.99), max(r["to_replicas"]))
     met = lambda ok: "met" if ok else "**missed**"  # noqa: E731
@@ -353,32 +246,9 @@ def run(quick: bool) -> str:
         "The path: the receiver's read and write of the signal record, the watch event, kopf's handler, the "
         "scaling step's conditional write of spec.runtime.replicas (and the Deployment's replicas in the same pass).",
         "",
-        "**From a load step to the first new replica Ready**, everything real: Kiln installed by helm on the local "
-        "control plane, the demo model (ONNX Runtime) in `kiln serve` pods run by the kubelet harness, 8 clients "
-        "sending 64-row requests (about 60% engine busy against a 20% target), Debian's Prometheus with the chart's "
-        "rules as shipped (rateWindow 1m, highFor 1m) and a "
-        f"{'5' if quick else '15'} s scrape and evaluation interval, Alertmanager with the documented route "
-        "(group_wait 10 s). Seconds after the load started, each stage as first observed (polling every 0.5 s):",
-        "",
-        "| stage | at | took | why |",
-        "|---|---|---|---|",
+        "From a load step to a new replica Ready with Prometheus and Alertmanager in the loop: the section "
+        "\"Scale-up in seconds\" (benchmarks/scale_up.py).",
     ]
-    why = {
-        "utilization above target": "the busy counter's rate over the 1 m window, evaluated each interval, crosses 0.2",
-        "alert pending": "the next rule evaluation after that",
-        "alert firing": "`for: 1m` (highFor) of evaluations, all above the target",
-        "signal received": "Alertmanager's group_wait (10 s) for a new group, then the webhook",
-        "replicas patched": "the receiver's write wakes the model; the scaling step decides and writes",
-        "pod created": "the Deployment and ReplicaSet controllers, the scheduler",
-        "ready": "the kubelet harness starts `kiln serve`: engine read, verified, loaded, warmed up",
-    }
-    last = 0.0
-    for stage in why:
-        if stage in stages:
-            lines.append(f"| {stage} | {stages[stage]:.1f} s | {stages[stage] - last:.1f} s | {why[stage]} |")
-            last = stages[stage]
-        else:
-            lines.append(f"| {stage} | not seen | | {why[stage]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,9 @@ class OperatorConfig:
     cache_gc_interval_seconds: float = 3600.0
     cache_gc_retention: int = 1
     cache_gc_grace_seconds: float = 86400.0
+    # How long the GC Job waits after making a model directory's lock file (an NFS client's
+    # cached negative lookup); None: `kiln cache-gc`'s own default (gclock.LOCK_SETTLE_SECONDS).
+    cache_gc_lock_settle_seconds: float | None = None
     cache_gc_dry_run: bool = False
     cache_gc_job_timeout_seconds: int = 1800
     # The activator's Service, "namespace/name" (`kiln activator`, installed by the chart): a

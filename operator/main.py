@@ -87,6 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-gc-grace-seconds", type=_non_negative, default=86400.0,
                         help="remove an engine only once nothing has needed it for this long "
                              "(a deleted model's engines too)")
+    parser.add_argument("--cache-gc-lock-settle-seconds", type=_non_negative, default=None, metavar="S",
+                        help="the GC Job's wait after making a model directory's lock file, before it looks "
+                             "(default: kiln cache-gc's, 60 s, longer than an NFS client caches a missing file)")
     parser.add_argument("--cache-gc-dry-run", action="store_true",
                         help="decide and report (Events EngineRemovable, the GC Job's log), remove nothing")
     parser.add_argument("--activator-service", default=None, metavar="NS/NAME", type=_namespaced_name,
@@ -120,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         cache_gc_interval_seconds=args.cache_gc_interval_seconds,
         cache_gc_retention=args.cache_gc_retention,
         cache_gc_grace_seconds=args.cache_gc_grace_seconds,
+        cache_gc_lock_settle_seconds=args.cache_gc_lock_settle_seconds,
         cache_gc_dry_run=args.cache_gc_dry_run,
         activator_service=args.activator_service,
     )

@@ -504,7 +504,9 @@ def cache_gc_job(namespace: str, claim: str, name: str, plan_name: str, config: 
                         "name": "cache-gc",
                         "image": config.builder_image,
                         "command": ["kiln"],
-                        "args": ["cache-gc", "--plan", f"{GC_PLAN_DIR}/plan.json", "--cache-dir", CACHE_DIR],
+                        "args": ["cache-gc", "--plan", f"{GC_PLAN_DIR}/plan.json", "--cache-dir", CACHE_DIR,
+                                 *([] if config.cache_gc_lock_settle_seconds is None else
+                                   ["--lock-settle-seconds", f"{config.cache_gc_lock_settle_seconds:g}"])],
                         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
                                       "limits": {"memory": "1Gi"}},
                         "securityContext": _security_context(),

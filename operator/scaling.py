@@ -12,7 +12,8 @@ receiver recorded (`signals.py`), the state it keeps in `status.scaling` and the
 
 - it steps only on an active alert (firing, and heard of within the signal TTL): no alert, a
   resolved one, a stale one or KilnUtilizationMissing is a hold. Missing metrics never read
-  as zero load.
+  as zero load. KilnUtilizationSurge (far above the target on a short window, at once) is a
+  scale-up as KilnUtilizationHigh is; an up and a down alert both active is the newer one.
 - up: toward the count the evidence asks for (`status.scaling.goal`: the HPA's
   ceil(replicas x utilization / target), at least one more), at most `maxStep` at a time,
   never above `maxReplicas`; not while the last step's pods are not Ready yet, nor within
@@ -141,14 +142,21 @@ def _on_utilization(policy: Policy, current: int, ready: int, active: Mapping[st
     """The utilization alerts' decision (the module docstring says the rules)."""
     if sig.MISSING in active:
         return Decision(current, "NoMetrics", sig.MISSING, "the utilization metric is missing: holding")
-    high, low = active.get(sig.HIGH), active.get(sig.LOW)
-    if high and low:
-        return Decision(current, "ConflictingSignals", f"{sig.HIGH},{sig.LOW}", "high and low at once: holding")
-    signal, name = (high, sig.HIGH) if high else (low, sig.LOW) if low else (None, "")
-    if signal is None:
+    ups = [(name, active[name]) for name in sig.UP if name in active]
+    up = max(ups, key=lambda u: u[1].value if u[1].value is not None else -1.0) if ups else None
+    low = (sig.LOW, active[sig.LOW]) if sig.LOW in active else None
+    if up and low:
+        # One utilization is never above and below its target at once: the newer episode is
+        # the present, and the older one's resolution is on its way (Alertmanager sends it at
+        # the group's next interval). Only a tie is a conflict.
+        if up[1].starts_at == low[1].starts_at:
+            return Decision(current, "ConflictingSignals", f"{up[0]},{sig.LOW}", "high and low at once: holding")
+        up, low = (up, None) if up[1].starts_at > low[1].starts_at else (None, low)
+    if up is None and low is None:
         return Decision(current, None)
+    name, signal = up or low
     delivered_since = last_change is None or signal.seen > last_change
-    goal = _goal(policy, current, signal, state, delivered_since, up=name == sig.HIGH)
+    goal = _goal(policy, current, signal, state, delivered_since, up=up is not None)
     if goal is None:
         return Decision(current, None)  # nothing new since the last change, and nothing more asked
     since_change = math.inf if last_change is None else (now - last_change).total_seconds()
@@ -159,7 +167,7 @@ def _toward(policy: Policy, current: int, ready: int, name: str, signal: sig.Sig
             since_change: float, now: datetime.datetime) -> Decision:
     """A step toward `goal` for the active alert `name`, or the hold that keeps it waiting."""
     seen = "" if signal.value is None else f"utilization {signal.value:.2f}, target {policy.target:.2f}"
-    if name == sig.HIGH:
+    if name in sig.UP:
         if current >= policy.max_replicas:
             return Decision(current, "AtMaxReplicas", name, _says(seen, f"at maxReplicas {policy.max_replicas}"),
                             goal=goal)

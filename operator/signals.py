@@ -22,7 +22,11 @@ from typing import Any, Mapping
 ANN_SIGNALS = "autoscaling.kiln.dev/signals"
 
 HIGH, LOW, MISSING = "KilnUtilizationHigh", "KilnUtilizationLow", "KilnUtilizationMissing"
-ALERTS = (HIGH, LOW, MISSING)  # the utilization rules (files/kiln-autoscaling.rules.yaml)
+# Far above the target over a short window, firing at once (Knative's panic mode): a scale-up
+# as High is, seconds after a load step rather than after highFor.
+SURGE = "KilnUtilizationSurge"
+UP = (HIGH, SURGE)
+ALERTS = (HIGH, SURGE, LOW, MISSING)  # the utilization rules (files/kiln-autoscaling.rules.yaml)
 # No requests at all (files/kiln-idle.rules.yaml): with minReplicas 0, the way to zero.
 IDLE = "KilnModelIdle"
 RECEIVED = ALERTS + (IDLE,)  # every alert the receiver records

@@ -88,6 +88,7 @@ class Activator:
 async def zero(built):
     """(activator, cluster, holder) for a model at zero."""
     table = Table()
+    table.set_activating({(NS, NAME)})  # its Service points at the activator (the held EndpointSlice)
     cluster = Cluster(built, table)
     holder = Holder(table, cluster.activate, max_queued=2000, max_wait=60)
     try:
@@ -199,7 +200,6 @@ async def test_a_grpc_request_at_zero_is_held_and_answered(zero, built):
                            shape=list(array.shape))
         request.raw_input_contents.append(array.tobytes())
     # The namespace: the model's held EndpointSlice names it (grpc.aio shows no :authority).
-    cluster.table.set_activating({(NS, NAME)})
     async with grpc.aio.insecure_channel(f"127.0.0.1:{activator.grpc_port}") as channel:
         infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                                     request_serializer=pb.ModelInferRequest.SerializeToString,
@@ -224,8 +224,37 @@ async def never(namespace: str, model: str) -> None:
     """An activation whose pod never becomes Ready."""
 
 
+def at_zero() -> Table:
+    table = Table()
+    table.set_activating({(NS, NAME)})
+    return table
+
+
+async def test_a_model_the_activator_does_not_serve_is_404_and_never_scaled():
+    """The namespace and name come from the request (Host, header, metadata): only a model
+    whose Service points at the activator is held and scaled."""
+    woken = []
+
+    async def activate(namespace: str, model: str) -> None:
+        woken.append((namespace, model))
+
+    holder = Holder(at_zero(), activate, max_queued=3, max_wait=5)
+    async with Activator(holder) as activator, aiohttp.ClientSession() as s:
+        status, _, body = await post(s, activator.url, infer_doc(0)[0], host=f"{NAME}.kube-system.svc:8080")
+        assert status == 404 and "not one the activator holds" in body["error"], body
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{activator.grpc_port}") as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=pb.ModelInferRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInferResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await infer(pb.ModelInferRequest(model_name="other"), timeout=10,
+                            metadata=(("kiln-namespace", NS),))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert woken == [] and holder.held((NS, NAME)) == 0
+
+
 async def test_past_the_queue_bound_a_request_is_refused_with_retry_after():
-    holder = Holder(Table(), never, max_queued=3, max_wait=30)
+    holder = Holder(at_zero(), never, max_queued=3, max_wait=30)
     async with Activator(holder) as activator, aiohttp.ClientSession() as s:
         held = [asyncio.create_task(post(s, activator.url, infer_doc(i)[0])) for i in range(3)]
         while holder.held((NS, NAME)) < 3:
@@ -239,7 +268,7 @@ async def test_past_the_queue_bound_a_request_is_refused_with_retry_after():
 
 
 async def test_past_the_wait_bound_rest_gets_503_and_grpc_unavailable():
-    holder = Holder(Table(), never, max_queued=10, max_wait=0.3)
+    holder = Holder(at_zero(), never, max_queued=10, max_wait=0.3)
     async with Activator(holder) as activator:
         async with aiohttp.ClientSession() as s:
             status, headers, body = await post(s, activator.url, infer_doc(0)[0])

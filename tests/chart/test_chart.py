@@ -83,7 +83,9 @@ def render(*values: Path, extra: tuple[str, ...] = (), api_versions: tuple[str, 
 
 
 def by_kind(objs: list[dict], kind: str) -> list[dict]:
-    return [o for o in objs if o["kind"] == kind]
+    """The objects of `kind` but the activator's (test_chart_scale_to_zero.py is about those)."""
+    return [o for o in objs if o["kind"] == kind
+            and (o["metadata"].get("labels") or {}).get("app.kubernetes.io/component") != "activator"]
 
 
 def scenario(name: str) -> Path:
@@ -200,6 +202,7 @@ def test_operator_deployment_is_hardened_and_configured():
         "--cache-gc-grace-seconds=86400",
         "--alert-receiver-port=8081",
         "--alert-token-file=/etc/kiln/alert-token/token",
+        "--activator-service=kiln-system/kiln-activator",
     ]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
@@ -248,6 +251,9 @@ NAMESPACED_RULES = [
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
+# The held EndpointSlices of models at zero (the activator is on by default).
+ACTIVATOR_RULE = {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                  "verbs": ["get", "list", "create", "patch", "delete"]}
 GATEWAY_RULE = {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["httproutes", "grpcroutes"],
                 "verbs": ["get", "list", "watch", "patch"]}
 CRD_RULE = {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
@@ -264,7 +270,7 @@ def test_all_namespaces_rbac_is_one_cluster_role_with_exactly_what_the_operator_
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"],
          "verbs": ["get", "list", "watch", "patch"]},
-        *NAMESPACED_RULES, GATEWAY_RULE]
+        *NAMESPACED_RULES, ACTIVATOR_RULE, GATEWAY_RULE]
     (binding,) = by_kind(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kiln", "namespace": NAMESPACE}]
@@ -277,13 +283,14 @@ def test_namespaced_mode_has_a_role_per_namespace():
     objs = render(scenario("namespaced"))
     (cluster_role,) = by_kind(objs, "ClusterRole")
     assert cluster_role["rules"] == [CRD_RULE]
-    roles = by_kind(objs, "Role")
+    # (and kiln-activator-endpoints in the release namespace: test_chart_scale_to_zero.py)
+    roles = [r for r in by_kind(objs, "Role") if r["metadata"]["name"] != "kiln-activator-endpoints"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-prod", "ml-staging"]
     for role in roles:
         assert role["rules"] == [{"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"],
                                   "verbs": ["get", "list", "watch", "patch"]},
-                                 *NAMESPACED_RULES, GATEWAY_RULE]
-    bindings = by_kind(objs, "RoleBinding")
+                                 *NAMESPACED_RULES, ACTIVATOR_RULE, GATEWAY_RULE]
+    bindings = [b for b in by_kind(objs, "RoleBinding") if b["metadata"]["name"] != "kiln-activator-endpoints"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml-prod", "ml-staging"]
     assert all(b["subjects"][0]["namespace"] == NAMESPACE for b in bindings)
     (dep,) = by_kind(objs, "Deployment")
@@ -508,7 +515,7 @@ def test_receiver_secret_service_and_mount():
     assert {"name": "alert-token", "mountPath": "/etc/kiln/alert-token", "readOnly": True} in c["volumeMounts"]
     assert {"name": "alert-token", "secret": {"secretName": "kiln-alert-token", "defaultMode": 0o440}} in (
         template["spec"]["volumes"])
-    assert c["args"][-2:] == ["--alert-receiver-port=8081", "--alert-token-file=/etc/kiln/alert-token/token"]
+    assert c["args"][-3:-1] == ["--alert-receiver-port=8081", "--alert-token-file=/etc/kiln/alert-token/token"]
     assert template["metadata"]["annotations"] == {
         "prometheus.io/scrape": "true", "prometheus.io/port": "8081", "prometheus.io/path": "/metrics"}
 
@@ -563,6 +570,7 @@ DCGM_METRICS = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"}
 OPERATOR_METRICS = exported(OperatorMetrics().registry)
 ALERTS = signals.ALERTS
 RECORDED = "kiln:utilization:ratio"
+RECORDED_SHORT = "kiln:utilization_short:ratio"  # over surgeWindow, KilnUtilizationSurge's
 SHORT_WINDOWS = ("autoscaling.rules.highFor=5s", "autoscaling.rules.lowFor=10s", "autoscaling.rules.missingFor=8s",
                  "autoscaling.rules.rateWindow=4s", "autoscaling.rules.interval=1s")
 # Each promtool unit test file and the values its rules are rendered with.
@@ -573,6 +581,7 @@ RULE_TESTS = {
     "dcgm_engine_active_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
     "cache_filling_test.yaml": (),  # the engine cache's rules (kiln-cache.rules.yaml), shipped as they are
     "model_idle_test.yaml": (),  # the scale-to-zero rule (kiln-idle.rules.yaml), shipped as it is
+    "surge_test.yaml": (),
 }
 RULE_VARIANTS = {"default": (), "short-windows": SHORT_WINDOWS, **{
     name.removesuffix("_test.yaml"): sets for name, sets in RULE_TESTS.items() if sets}}
@@ -623,27 +632,36 @@ def test_the_rules_are_the_contract():
     (group,) = yaml.safe_load(RULES_FILE.read_text())["groups"]
     records = [r["record"] for r in group["rules"] if "record" in r]
     alerts = {r["alert"]: r for r in group["rules"] if "alert" in r}
-    assert records == [RECORDED] and tuple(alerts) == ALERTS
-    assert group["rules"][0]["record"] == RECORDED  # recorded before the alerts read it, in one evaluation
+    assert records == [RECORDED, RECORDED_SHORT] and tuple(alerts) == ALERTS
+    # recorded before the alerts read them, in one evaluation
+    assert [r.get("record") for r in group["rules"][:2]] == [RECORDED, RECORDED_SHORT]
+    assert group["interval"] == "5s"
     for name, rule in alerts.items():
         assert rule["labels"] == {"kiln_autoscaling": "true"}, name
         assert rule["annotations"]["value"] == "{{ $value }}", name
         assert {"summary", "description"} <= set(rule["annotations"]), name
-        assert metric_names(rule["expr"]) == {RECORDED, "kiln_autoscaling_target_ratio"}, name
-    assert [alerts[a]["for"] for a in ALERTS] == ["1m", "2m", "2m"]
-    assert metric_names(group["rules"][0]["expr"]) == {
-        "kiln_gpu_utilization_ratio", "kiln_model_info", "kiln_engine_busy_seconds_total"}
-    assert "rate(kiln_engine_busy_seconds_total[1m])" in group["rules"][0]["expr"]
+        reads = RECORDED_SHORT if name == signals.SURGE else RECORDED
+        assert metric_names(rule["expr"]) == {reads, "kiln_autoscaling_target_ratio"}, name
+    assert [alerts[a]["for"] for a in ALERTS] == ["1m", "0s", "2m", "2m"]
+    for rule, window in zip(group["rules"][:2], ("1m", "20s")):
+        assert metric_names(rule["expr"]) == {
+            "kiln_gpu_utilization_ratio", "kiln_model_info", "kiln_engine_busy_seconds_total"}
+        assert f"rate(kiln_engine_busy_seconds_total[{window}])" in rule["expr"]
     assert "(0.5 * max by (namespace, model) (kiln_autoscaling_target_ratio))" in alerts["KilnUtilizationLow"]["expr"]
+    assert "clamp_max(2 * max by (namespace, model) (kiln_autoscaling_target_ratio), 0.9)" in alerts[signals.SURGE]["expr"]
 
 
 @needs_helm
 def test_rule_values_reach_the_rules():
-    (group,) = yaml.safe_load(rules_text(*SHORT_WINDOWS, "autoscaling.rules.lowFraction=0.25"))["groups"]
+    (group,) = yaml.safe_load(rules_text(*SHORT_WINDOWS, "autoscaling.rules.lowFraction=0.25",
+                                         "autoscaling.rules.surgeFactor=3", "autoscaling.rules.surgeCeiling=0.8",
+                                         "autoscaling.rules.surgeWindow=3s", "autoscaling.rules.surgeFor=1s"))["groups"]
     assert group["interval"] == "1s"
-    assert [r.get("for") for r in group["rules"]] == [None, "5s", "10s", "8s"]
+    assert [r.get("for") for r in group["rules"]] == [None, None, "5s", "1s", "10s", "8s"]
     assert "rate(kiln_engine_busy_seconds_total[4s])" in group["rules"][0]["expr"]
-    assert "(0.25 * max by" in group["rules"][2]["expr"]
+    assert "rate(kiln_engine_busy_seconds_total[3s])" in group["rules"][1]["expr"]
+    assert "clamp_max(3 * max by (namespace, model) (kiln_autoscaling_target_ratio), 0.8)" in group["rules"][3]["expr"]
+    assert "(0.25 * max by" in group["rules"][4]["expr"]
     for sets, names in [(RULE_TESTS["dcgm_gpu_util_test.yaml"], {"DCGM_FI_DEV_GPU_UTIL", "kiln_model_info"}),
                         (RULE_TESTS["dcgm_engine_active_test.yaml"],
                          {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "kiln_model_info"})]:
@@ -660,7 +678,7 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 @needs_promtool
 def test_promtool_checks_the_plain_rules_file():
     out = promtool("check", "rules", str(RULES_FILE))
-    assert out.returncode == 0 and "SUCCESS: 4 rules found" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "SUCCESS: 6 rules found" in out.stdout, out.stdout + out.stderr
 
 
 @needs_helm
@@ -672,7 +690,7 @@ def test_promtool_checks_the_prometheus_rule(tmp_path, variant):
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rule["spec"]))
     out = promtool("check", "rules", str(path))
-    assert out.returncode == 0 and "SUCCESS: 4 rules found" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "SUCCESS: 6 rules found" in out.stdout, out.stdout + out.stderr
 
 
 def test_every_rules_unit_test_is_run():
@@ -787,7 +805,7 @@ def panel_exprs(dashboard: dict) -> list[tuple[str, str]]:
 
 def test_dashboard_queries_read_only_known_metrics():
     (group,) = yaml.safe_load(RULES_FILE.read_text())["groups"]
-    known = RUNTIME_METRICS | DCGM_METRICS | OPERATOR_METRICS | {RECORDED, "ALERTS"}
+    known = RUNTIME_METRICS | DCGM_METRICS | OPERATOR_METRICS | {RECORDED, RECORDED_SHORT, "ALERTS"}
     assert {r["record"] for r in group["rules"] if "record" in r} <= known
     dashboard = json.loads((CHART / "files" / "dashboards" / "kiln-autoscaling.json").read_text())
     assert dashboard["uid"] == "kiln-autoscaling"

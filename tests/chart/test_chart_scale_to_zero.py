@@ -1,7 +1,7 @@
 """The chart's scale to zero: the KilnModelIdle rule (shipped as files/kiln-idle.rules.yaml,
 rendered where the autoscaling rules are; its promtool unit test is
 tests/chart/rules/model_idle_test.yaml, run by test_chart.py with the others) and the
-activator (off by default; `activator.enabled` installs its Deployment, Service,
+activator (on by default: `activator.enabled` installs its Deployment, Service,
 ServiceAccount, RBAC and PodDisruptionBudget and tells the operator). Needs `helm` on PATH
 and `promtool` as test_chart.py does."""
 
@@ -26,7 +26,8 @@ NAMESPACE, KUBE_VERSION = "kiln-system", "1.30.0"
 IDLE_RULES_FILE = CHART / "files" / "kiln-idle.rules.yaml"
 IDLE_RULES_KEY = "kiln-idle.rules.yaml"
 MONITORING_APIS = ("monitoring.coreos.com/v1/PrometheusRule",)
-ON = ("--set", "activator.enabled=true")
+ON = ()  # the default
+OFF = ("--set", "activator.enabled=false")
 HELM, PROMTOOL = shutil.which("helm"), shutil.which("promtool")
 needs_helm = pytest.mark.skipif(HELM is None, reason="helm is not on PATH (make test puts .tools there)")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not on PATH (make monitoring-tools)")
@@ -98,8 +99,8 @@ def test_the_idle_rule_renders_where_the_autoscaling_rules_do():
 # ------------------------------------------------------------------ the activator
 
 @needs_helm
-def test_the_activator_is_off_by_default():
-    objs = render()
+def test_the_activator_can_be_left_out():
+    objs = render(*OFF)
     assert by_kind(objs, "Deployment", "activator") == [] and by_kind(objs, "Service", "activator") == []
     (op,) = by_kind(objs, "Deployment", "operator")
     assert not [a for a in op["spec"]["template"]["spec"]["containers"][0]["args"] if "activator" in a]

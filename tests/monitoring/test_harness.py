@@ -21,7 +21,7 @@ from kiln.runtime.engine.build import BuildRequest, build_engine
 from kiln.runtime.commands.demo import http, wait_ready
 
 from support import monitoring, snippets
-from support.monitoring import (Alertmanager, ConfigError, Prometheus, WebhookRecorder, kiln_alertmanager_config,
+from support.monitoring import (DOCUMENTED_TIMINGS, Alertmanager, ConfigError, Prometheus, WebhookRecorder, kiln_alertmanager_config,
                                 operator_scrape_config, pod_http_sd_scrape_config, pod_scrape_config,
                                 static_scrape_config)
 from support.monitoring.process import check_config, die_with_parent, free_port
@@ -248,7 +248,7 @@ def test_the_documented_alertmanager_config_passes_amtool_and_is_the_one_the_tes
     [route] = [r for r in documented["route"]["routes"] if r["receiver"] == "kiln"]
     [webhook] = [r for r in documented["receivers"] if r["name"] == "kiln"][0]["webhook_configs"]
     timings = {k: route[k] for k in ("group_wait", "group_interval", "repeat_interval")}
-    assert timings == {"group_wait": "10s", "group_interval": "30s", "repeat_interval": "2m"}
+    assert timings == DOCUMENTED_TIMINGS
     assert documented == kiln_alertmanager_config(
         webhook["url"], webhook["http_config"]["authorization"]["credentials_file"], **timings)
 

@@ -112,6 +112,23 @@ def test_the_plan_keeps_what_a_build_touched_just_before_the_decision():
     assert plan["decidedAt"] == T0.timestamp() - cachegc.CLOCK_SKEW_SECONDS
 
 
+def test_the_gc_job_runs_kiln_cache_gc_with_the_lock_settle_time_the_operator_was_given():
+    import argparse
+
+    from kiln.runtime.commands import cache_gc
+
+    def job_args(config: OperatorConfig) -> argparse.Namespace:
+        job = manifests.cache_gc_job("ml", "kiln-engine-cache", "kiln-cache-gc-x", "plan-x", config)
+        [container] = job["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["kiln"] and container["args"][0] == "cache-gc"
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        cache_gc.configure(parser)
+        return parser.parse_args(container["args"][1:])
+
+    assert job_args(OperatorConfig()).lock_settle_seconds is None  # kiln cache-gc's own 60 s
+    assert job_args(OperatorConfig(cache_gc_lock_settle_seconds=0.0)).lock_settle_seconds == 0.0
+
+
 def test_status_cache_lists_a_models_engines_newest_first():
     index = dict([entry(K[0], recorded="2026-12-01T01:00:00Z", unneeded_since="2026-12-01T11:00:00Z"),
                   entry(K[1], recorded="2026-12-01T02:00:00Z"), entry(K[2], recorded="2026-12-01T03:00:00Z"),

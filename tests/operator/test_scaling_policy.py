@@ -121,9 +121,29 @@ def test_missing_metrics_hold_whatever_else_fires():
     assert (d.replicas, d.reason) == (2, "NoMetrics")
 
 
-def test_high_and_low_at_once_hold():
+def test_high_and_low_from_the_same_moment_hold():
     d = decide({**firing(sig.HIGH, value=0.9), **firing(sig.LOW, value=0.1)})
     assert (d.replicas, d.reason) == (2, "ConflictingSignals")
+
+
+def test_of_an_up_and_a_down_alert_the_newer_episode_decides():
+    """Low's resolution reaches the operator a group interval after Prometheus resolved it:
+    a load step at minReplicas is not held up by it, nor a load drop by a High still fading."""
+    d = decide({**firing(sig.LOW, starts=0, value=0.1), **firing(sig.SURGE, starts=5, seen=5, value=0.9)}, now=6)
+    assert (d.replicas, d.reason, d.source) == (4, "UtilizationHigh", sig.SURGE)
+    d = decide({**firing(sig.HIGH, starts=0, value=0.9), **firing(sig.LOW, starts=5, seen=5, value=0.1)},
+               current=6, now=200)
+    assert (d.replicas, d.reason) == (4, "UtilizationLow")
+
+
+def test_a_surge_scales_up_as_high_does_and_the_higher_value_sets_the_goal():
+    d = decide(firing(sig.SURGE, value=1.5))
+    assert (d.replicas, d.reason, d.source, d.goal) == (4, "UtilizationHigh", sig.SURGE, 6)
+    d = decide({**firing(sig.HIGH, value=0.6), **firing(sig.SURGE, value=1.5)})
+    assert (d.source, d.goal) == (sig.SURGE, 6)
+    state = {"replicas": 2, "lastScaleTime": sig.format_time(at(0))}
+    d = decide(firing(sig.SURGE, seen=30, value=1.5), state=state, now=40)
+    assert (d.replicas, d.reason) == (2, "CooldownActive")  # the same cooldown as High's
 
 
 def test_a_resolved_alert_is_no_signal():

@@ -12,22 +12,15 @@ groups:
     interval: {{ . }}
     {{- end }}
     rules:
-      # A model's utilization (0..1) averaged over its pods: the GPU's where its engine runs on
-      # a GPU (kiln_model_info's target is not cpu; a CPU model never takes a GPU series, even
-      # one an older runtime exported because its pod could see a GPU), else the fraction of
-      # engine capacity in use, which every backend reports.
+      # A model's utilization (0..1) averaged over its pods, the GPU's or the engine's busy
+      # fraction over rateWindow (kiln.utilizationExpr says which).
       - record: kiln:utilization:ratio
         expr: |
-          {{- if eq $gpu "kiln_gpu_utilization_ratio" }}
-          avg by (namespace, model) (kiln_gpu_utilization_ratio and on (namespace, pod) kiln_model_info{target!="cpu"})
-          {{- else }}
-          avg by (namespace, model) (
-            {{ $gpu }}{{ if eq $gpu "DCGM_FI_DEV_GPU_UTIL" }} / 100{{ end }}
-            * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info{target!="cpu"})
-          )
-          {{- end }}
-          or
-          avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[{{ $r.rateWindow }}]))
+          {{- include "kiln.utilizationExpr" (dict "gpu" $gpu "window" $r.rateWindow) | nindent 10 }}
+      # The same over the short surgeWindow, for KilnUtilizationSurge alone.
+      - record: kiln:utilization_short:ratio
+        expr: |
+          {{- include "kiln.utilizationExpr" (dict "gpu" $gpu "window" $r.surgeWindow) | nindent 10 }}
       # The target exists only for models with autoscaling enabled, so the others never fire.
       # `max by` keeps one target per model if the operator is scraped twice.
       - alert: KilnUtilizationHigh
@@ -40,6 +33,24 @@ groups:
         annotations:
           summary: {{ `'{{ $labels.namespace }}/{{ $labels.model }}: utilization {{ $value | humanizePercentage }} is above its target'` }}
           description: {{ printf "'Utilization stayed above spec.autoscaling.targetGPUUtilization for %s; Kiln scales the model up within its bounds.'" $r.highFor }}
+          value: {{ `'{{ $value }}'` }}
+      # Far above the target on the short window (over surgeFactor x the target, or over
+      # surgeCeiling where that is lower: a target of 70% cannot double) fires after surgeFor,
+      # at once by default: Knative's panic mode. A load step reaches a new replica in seconds,
+      # not after highFor; the operator scales up on it as on High, within the same cooldown.
+      - alert: KilnUtilizationSurge
+        expr: |
+          kiln:utilization_short:ratio
+            > on (namespace, model) clamp_max({{ $r.surgeFactor }} * max by (namespace, model) (kiln_autoscaling_target_ratio), {{ $r.surgeCeiling }})
+          and on (namespace, model)
+          kiln:utilization_short:ratio
+            > on (namespace, model) max by (namespace, model) (kiln_autoscaling_target_ratio)
+        for: {{ $r.surgeFor }}
+        labels:
+          kiln_autoscaling: "true"
+        annotations:
+          summary: {{ `'{{ $labels.namespace }}/{{ $labels.model }}: utilization {{ $value | humanizePercentage }} is far above its target'` }}
+          description: {{ printf "'Utilization over the last %s is above %v x spec.autoscaling.targetGPUUtilization (or %v where that is lower); Kiln scales the model up within its bounds now.'" $r.surgeWindow $r.surgeFactor $r.surgeCeiling }}
           value: {{ `'{{ $value }}'` }}
       - alert: KilnUtilizationLow
         expr: |
@@ -65,6 +76,23 @@ groups:
           summary: {{ `'{{ $labels.namespace }}/{{ $labels.model }}: no utilization data'` }}
           description: {{ printf "'No utilization for %s (the value is the target); Kiln holds the model at its current size.'" $r.missingFor }}
           value: {{ `'{{ $value }}'` }}
+{{- end -}}
+
+{{/* A model's utilization (0..1) averaged over its pods, the busy ratio's rate over .window:
+the GPU's where its engine runs on a GPU (kiln_model_info's target is not cpu; a CPU model
+never takes a GPU series, even one an older runtime exported because its pod could see a GPU),
+else the fraction of engine capacity in use, which every backend reports. */}}
+{{- define "kiln.utilizationExpr" -}}
+{{- if eq .gpu "kiln_gpu_utilization_ratio" -}}
+avg by (namespace, model) (kiln_gpu_utilization_ratio and on (namespace, pod) kiln_model_info{target!="cpu"})
+{{- else -}}
+avg by (namespace, model) (
+  {{ .gpu }}{{ if eq .gpu "DCGM_FI_DEV_GPU_UTIL" }} / 100{{ end }}
+  * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info{target!="cpu"})
+)
+{{- end }}
+or
+avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[{{ .window }}]))
 {{- end -}}
 
 {{/* The Secret with the receiver's bearer token (key `token`). */}}

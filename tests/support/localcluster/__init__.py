@@ -29,8 +29,9 @@ HELM = REPO / ".tools" / "helm"
 # Canary analysis: the Prometheus a test starts on PROMETHEUS_PORT (none runs there otherwise,
 # so a rollout with checks waits, as it would without one).
 PROMETHEUS_PORT = 18090
+# Cache GC: the claims are host directories of this one machine, no NFS client to outwait.
 INSTALL_VALUES = {"operator": {"healthPort": 18080, "prometheusUrl": f"http://127.0.0.1:{PROMETHEUS_PORT}"},
-                  "autoscaling": {"receiver": {"port": 18081}}}
+                  "autoscaling": {"receiver": {"port": 18081}}, "cache": {"gc": {"lockSettleSeconds": 0}}}
 
 
 class LocalCluster:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import quote
 
+from kiln.runtime.api import contract
+
 
 def wait_for(what: Callable[[], Any], timeout: float, message: str, interval: float = 0.25) -> Any:
     deadline = time.monotonic() + timeout
@@ -60,3 +62,30 @@ def ready(pod: dict) -> bool:
 
 def dump(obj: Any) -> str:
     return json.dumps(obj, indent=1, sort_keys=True)[:4000]
+
+
+def service_endpoints(api: Api, namespace: str, service: str, port: str = "http") -> list[tuple[str, int]]:
+    """Where a client of the Service gets to: the harness has no kube-proxy, so this resolves
+    the Service's EndpointSlices (every one labelled with its name, whoever manages it) to
+    their ready addresses and the port of that name, as kube-proxy would.
+
+    One thing this control plane cannot show: its pods' IPs are loopback addresses (127.10.x),
+    which the API server refuses in any EndpointSlice (the EndpointSlice controller's for a
+    runtime or the activator Service fail the same way), so the operator's held slice for a
+    model at zero has its ports and no addresses here. For a held slice the addresses are then
+    the Ready activator pods', what the operator copies into it on a real cluster."""
+    from . import RELEASE_NAMESPACE
+
+    found = []
+    for s in api.items(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+                       f"?labelSelector=kubernetes.io%2Fservice-name%3D{service}"):
+        ports = {p.get("name"): p["port"] for p in s.get("ports") or []}
+        if port not in ports:
+            continue
+        addresses = [a for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready") is not False
+                     for a in e["addresses"]]
+        if not addresses and s["metadata"]["labels"].get(contract.LABEL_SLICE_MANAGED_BY) == contract.ACTIVATOR_SLICE_MANAGER:
+            addresses = [p["status"]["podIP"] for p in pods(api, RELEASE_NAMESPACE, "app.kubernetes.io/component=activator")
+                         if ready(p)]
+        found += [(a, ports[port]) for a in addresses]
+    return found

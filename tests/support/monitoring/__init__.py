@@ -9,7 +9,7 @@ tests/support/__init__.py); its own tests are in tests/monitoring/.
 """
 
 from .alertmanager import Alertmanager
-from .configs import (KILN_GROUP_BY, KILN_MATCHER, alertmanager_config, kiln_alertmanager_config, kiln_receiver,
+from .configs import (DOCUMENTED_TIMINGS, KILN_GROUP_BY, KILN_MATCHER, alertmanager_config, kiln_alertmanager_config, kiln_receiver,
                       kiln_route, operator_scrape_config, pod_http_sd_scrape_config, pod_relabel_configs,
                       pod_scrape_config, static_scrape_config)
 from .discovery import PodDiscovery
@@ -30,7 +30,7 @@ def unavailable() -> str | None:
 
 
 __all__ = [
-    "Alertmanager", "BINARIES", "ConfigError", "Delivery", "HTTPError", "KILN_GROUP_BY", "KILN_MATCHER",
+    "Alertmanager", "BINARIES", "ConfigError", "DOCUMENTED_TIMINGS", "Delivery", "HTTPError", "KILN_GROUP_BY", "KILN_MATCHER",
     "PodDiscovery", "Prometheus", "QueryError", "StartError", "WebhookRecorder", "alertmanager_config",
     "kiln_alertmanager_config", "kiln_receiver", "kiln_route", "missing_binaries", "operator_scrape_config",
     "pod_http_sd_scrape_config", "pod_relabel_configs", "pod_scrape_config", "static_scrape_config",
