@@ -26,6 +26,7 @@ class Check:
     query: str
     min: float | None = None
     max: float | None = None
+    detail: str | None = None  # a query whose series say why, when the check fails (label: value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,26 @@ def builtin_checks(analysis: Mapping[str, Any], ns: str, model: str, canary_key:
         checks.append(Check("latency-p99-ratio", f"{p99(canary_key)} / {p99(stable_key)}",
                             max=float(analysis["maxLatencyRatio"])))
     return checks
+
+
+def agreement_check(analysis: Mapping[str, Any], ns: str, model: str, canary_key: str) -> Check | None:
+    """While the stable pods copy requests to the canary (rollout.shadow): the least share, over
+    the outputs, of comparisons that agreed (runtime/serving/shadow.py counts them on the stable
+    pods), once there are minSamples in the window; fewer is no data (inconclusive)."""
+    a = analysis.get("agreement")
+    if a is None:
+        return None
+    sel = f'namespace="{ns}", model="{model}", canary="{canary_key}"'
+    compared = f"kiln_shadow_comparisons_total{{{sel}}}"
+    # An output that never agreed has no "agree" series: 0 x its "differ" one stands in.
+    agreed = (f'increase(kiln_shadow_comparisons_total{{{sel}, result="agree"}}[{WINDOW}]) or '
+              f'0 * increase(kiln_shadow_comparisons_total{{{sel}, result="differ"}}[{WINDOW}])')
+    samples = f'sum(increase(kiln_shadow_copies_total{{{sel}, outcome="compared"}}[{WINDOW}]))'
+    query = (f"min(sum by (output) ({agreed}) / sum by (output) (increase({compared}[{WINDOW}]))) "
+             f"and on () ({samples} >= {int(a.get('minSamples', 50))})")
+    worst = (f"max by (output) (histogram_quantile(1, sum by (output, le) "
+             f"(increase(kiln_shadow_abs_difference_bucket{{{sel}}}[{WINDOW}]))))")
+    return Check("agreement", query, min=float(a.get("minRatio", 0.99)), detail=worst)
 
 
 def user_checks(analysis: Mapping[str, Any], ns: str, model: str, version: str, canary_key: str) -> list[Check]:
@@ -117,6 +138,34 @@ async def query(session: Any, base_url: str, promql: str) -> float | None:
     return float(series[0]["value"][1])
 
 
+async def query_series(session: Any, base_url: str, promql: str, label: str) -> list[tuple[str, float]]:
+    """An instant query's series as (its `label`, value), at most 10."""
+    import aiohttp
+
+    async with session.get(f"{base_url.rstrip('/')}/api/v1/query", params={"query": promql},
+                           timeout=aiohttp.ClientTimeout(total=QUERY_SECONDS)) as r:
+        body = await r.json(content_type=None)
+    if body.get("status") != "success" or body["data"]["resultType"] != "vector":
+        return []
+    return [(str(s["metric"].get(label, "")), float(s["value"][1])) for s in body["data"]["result"][:10]]
+
+
+async def _details(session: Any, base_url: str, checks: list[Check], outcome: Outcome) -> Outcome:
+    """The failed checks' details (the worst outputs' differences), in their rows."""
+    rows = [dict(r) for r in outcome.checks]
+    for check, row in zip(checks, rows):
+        if check.detail and row["result"] == FAILED:
+            try:
+                found = await query_series(session, base_url, check.detail, "output")
+            except Exception:  # a detail is not worth the verdict
+                found = []
+            worst = sorted((kv for kv in found if not math.isnan(kv[1])), key=lambda kv: -kv[1])[:3]
+            if worst:
+                row["detail"] = ", ".join(f"output {name}: max absolute difference <= {value:g}"
+                                          for name, value in worst)
+    return dataclasses.replace(outcome, checks=tuple(rows))
+
+
 async def evaluate(base_url: str | None, checks: list[Check]) -> Outcome:
     """Run the checks; the built-in ones are left out by the caller where no Prometheus is
     configured, so a spec's own checks without one are an error (the rollout waits)."""
@@ -128,4 +177,7 @@ async def evaluate(base_url: str | None, checks: list[Check]) -> Outcome:
 
     async with aiohttp.ClientSession() as session:
         values = await asyncio.gather(*(query(session, base_url, c.query) for c in checks), return_exceptions=True)
-    return combine(checks, list(values))
+        outcome = combine(checks, list(values))
+        if outcome.result == FAILED and any(c.detail for c in checks):
+            outcome = await _details(session, base_url, checks, outcome)
+    return outcome

@@ -3,6 +3,9 @@
 A change of engine key with `rollout.strategy: Canary` (and something already serving):
 
     Building     the new engines are built; nothing running changes, no traffic moves
+    shadow       (rollout.shadow) step 0, weight 0: the canary's pods take no client traffic;
+                 the stable pods copy a sample of their requests to them and compare the
+                 answers (the agreement check); otherwise a step like the others
     step i       the canary Deployment runs the new key at `steps[i].weight`; the step's
                  clock starts once enough canary pods are Ready for that weight (the weight
                  is in effect); analysis runs every `intervalSeconds`
@@ -36,17 +39,25 @@ PROMOTE, ABORT = "promote", "abort"
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    steps: tuple[tuple[int, float], ...]  # (weight percent, pause seconds)
+    steps: tuple[tuple[int, float], ...]  # (weight percent, pause seconds); weight 0: the shadow step
     interval: float
     failure_limit: int
     canary_min: int
+    shadow: bool = False  # steps[0] is the shadow step (rollout.shadow): copies, no client traffic
 
     @classmethod
     def from_spec(cls, rollout: Mapping[str, Any]) -> "Policy":
         """From a defaulted spec's `rollout` (the CRD holds the defaults)."""
         a = rollout["analysis"]
-        return cls(tuple((int(s["weight"]), float(s["pauseSeconds"])) for s in rollout["steps"]),
-                   float(a["intervalSeconds"]), int(a["failureLimit"]), int(rollout["canaryMinReplicas"]))
+        shadow = rollout.get("shadow") or {}
+        first = ((0, float(shadow.get("pauseSeconds", 60))),) if shadow.get("enabled") else ()
+        return cls(first + tuple((int(s["weight"]), float(s["pauseSeconds"])) for s in rollout["steps"]),
+                   float(a["intervalSeconds"]), int(a["failureLimit"]), int(rollout["canaryMinReplicas"]),
+                   bool(shadow.get("enabled")))
+
+    def in_shadow_step(self, state: Mapping[str, Any] | None) -> bool:
+        """The canary has no client traffic: its step is the shadow step (weight 0)."""
+        return bool(self.shadow and state and state.get("phase") != PROMOTING and int(state.get("step", 0)) == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +96,9 @@ def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bo
         weight = policy.steps[0][0]
         s = {"version": version, "engineKey": desired_key, "phase": PROGRESSING, "step": 0, "targetWeight": weight,
              "weight": 0, "startedAt": sig.format_time(now), "analysisFailures": 0}
-        events.append(("Normal", "RolloutStarted", f"canary of engine {desired_key} (version {version}) starts at "
-                       f"{weight}% of traffic"))
+        events.append(("Normal", "RolloutStarted", f"canary of engine {desired_key} (version {version}) starts "
+                       + ("in a shadow step: copies of the stable pods' requests, no client traffic" if weight == 0
+                          else f"at {weight}% of traffic")))
     if action == ABORT:
         return _rolled_back(s, now, "aborted by hand (kiln rollout abort)", events)
     if action == PROMOTE and s["phase"] != PROMOTING:
@@ -145,7 +157,8 @@ def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bo
 
 def _failing(outcome: an.Outcome) -> str:
     bad = [c for c in outcome.checks if c["result"] == an.FAILED] or list(outcome.checks)
-    return "; ".join(f"{c['name']} = {c['value']} (min {c['min']}, max {c['max']}) from {c['query']}" for c in bad)
+    return "; ".join(f"{c['name']} = {c['value']} (min {c['min']}, max {c['max']})"
+                     + (f", {c['detail']}" if c.get("detail") else "") + f" from {c['query']}" for c in bad)
 
 
 def _rolled_back(s: Mapping[str, Any], now: datetime.datetime, reason: str,

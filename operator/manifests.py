@@ -192,6 +192,35 @@ def service_name(model_name: str, track: str = STABLE) -> str:
     return model_name if track == STABLE else f"{model_name}-canary"
 
 
+SHADOW_DIR, SHADOW_FILE = "/etc/kiln/shadow", "shadow.json"
+
+
+def shadow_config_name(model_name: str) -> str:
+    """The ConfigMap the stable pods read their shadow copies' config from (runtime/serving/shadow.py)."""
+    return f"{model_name}-shadow"
+
+
+def shadow_config(model: Mapping[str, Any], text: str) -> dict[str, Any]:
+    meta = model["metadata"]
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": shadow_config_name(meta["name"]), "namespace": meta["namespace"],
+                         "labels": {LABEL_MODEL: meta["name"], **MANAGED_BY},
+                         "ownerReferences": [owner_reference(model)]},
+            "data": {SHADOW_FILE: text}}
+
+
+def shadow_settings(model_name: str, spec: Mapping[str, Any], canary_key: str, targets: Iterable[str]) -> str:
+    """The shadow config file's text (runtime/serving/shadow.py reads it), from a defaulted spec."""
+    rollout = spec.get("rollout") or {}
+    shadow, agreement = rollout.get("shadow") or {}, (rollout.get("analysis") or {}).get("agreement") or {}
+    return json.dumps({"model": model_name, "canaryEngineKey": canary_key, "targets": sorted(targets),
+                       "percent": shadow.get("percent", 10), "maxRequestsPerSecond": shadow.get("maxRequestsPerSecond", 20),
+                       "timeoutSeconds": shadow.get("timeoutSeconds", 2),
+                       "classOutputs": list(agreement.get("classOutputs") or []),
+                       "absoluteTolerance": agreement.get("absoluteTolerance", 1e-3),
+                       "relativeTolerance": agreement.get("relativeTolerance", 1e-2)}, sort_keys=True)
+
+
 def selector_labels(model_name: str, track: str = STABLE) -> dict[str, str]:
     return {LABEL_MODEL: model_name, LABEL_TRACK: track}
 
@@ -279,6 +308,9 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
     }
+    if track == STABLE:  # the stable pods copy to a canary while the rollout shadows (rollout.shadow)
+        container["args"] += ["--shadow-config", f"{SHADOW_DIR}/{SHADOW_FILE}"]
+        container["volumeMounts"].append({"name": "shadow", "mountPath": SHADOW_DIR, "readOnly": True})
     env = _unique_names(sequence_env(runtime) + result_cache_env(runtime)) + device_env(engines)
     if env:
         container["env"] = env
@@ -292,6 +324,8 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _shm_limit(runtime)}}],
         "terminationGracePeriodSeconds": 30,
     }
+    if track == STABLE:  # optional: it exists only while a rollout shadows; its updates reach the file
+        pod_spec["volumes"].append({"name": "shadow", "configMap": {"name": shadow_config_name(name), "optional": True}})
     for field in ("nodeSelector", "tolerations", "affinity"):
         if runtime.get(field):
             pod_spec[field] = runtime[field]
@@ -380,12 +414,16 @@ def gateway_api(spec: Mapping[str, Any]) -> bool:
     return ((spec.get("rollout") or {}).get("traffic") or {}).get("mechanism") == "GatewayAPI"
 
 
-def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any], track: str = STABLE) -> dict[str, Any]:
-    """The model's Service `<model>`: every runtime pod, or with the Gateway API the stable
-    track's only, beside `<model>-canary` for the canary's (the HTTPRoute weighs the two)."""
+def runtime_service(model: Mapping[str, Any], spec: Mapping[str, Any], track: str = STABLE,
+                    both_tracks: bool = False) -> dict[str, Any]:
+    """The model's Service `<model>`: the stable track's pods, and the canary's too while it
+    takes a weighted step by replica ratio (`both_tracks`: not in a shadow step, where it has
+    no client traffic); with the Gateway API `<model>-canary` beside it for the canary's pods
+    (the HTTPRoute weighs the two)."""
     meta = model["metadata"]
     name = meta["name"]
-    selector = {LABEL_MODEL: name, **({LABEL_TRACK: track} if gateway_api(spec) else {})}
+    both = both_tracks and not gateway_api(spec)
+    selector = {LABEL_MODEL: name, **({} if both else {LABEL_TRACK: track})}
     return {
         "apiVersion": "v1",
         "kind": "Service",

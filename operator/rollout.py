@@ -53,6 +53,7 @@ class Tracks:
     weight: int = 0  # the canary's share of traffic in effect (Gateway API weights)
     rolled_back: Mapping[str, Any] | None = None
     hold: bool = False  # the spec cannot work: touch no Deployment
+    canary_serves: bool = False  # the canary takes client traffic (a weighted step, not the shadow step)
 
 
 async def step(p: Pass) -> StepResult:
@@ -69,6 +70,8 @@ async def step(p: Pass) -> StepResult:
     canaried = (p.spec["rollout"]["strategy"] == "Canary" and serving.exists and bool(desired)
                 and (serving.engine_key != desired or (state or {}).get("engineKey") == desired))
     if not canaried:
+        if state or p.ctx.shadow_configs.get((p.ns, p.name)):
+            await apply_shadow(p, None)  # the rollout that shadowed is over
         return without_canary(p, observed, ready, desired, live)
     return await with_canary(p, observed, ready, desired, serving, state)
 
@@ -112,11 +115,17 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
     s = plan.state
     weight = int(s["weight"]) if s else 0
     canary_track = track(p, observed, manifests.CANARY) if plan.canary_key else None
+    shadowing = policy.shadow and canary_track is not None and s is not None and s["phase"] != cn.PROMOTING
+    await apply_shadow(p, await shadow_settings(p, s["engineKey"]) if shadowing else None)
+    serves = canary_track is not None and not policy.in_shadow_step(s)
     if plan.promote:
-        tracks = Tracks(track(p, observed, manifests.STABLE), canary_track, total, canary_live.replicas, weight)
+        tracks = Tracks(track(p, observed, manifests.STABLE), canary_track, total, canary_live.replicas, weight,
+                        canary_serves=serves)
     elif canary_track is not None:
         cap = cn.canary_replicas(total, int(s["targetWeight"]), policy.canary_min)
-        tracks = Tracks(None, canary_track, max(total - min(canary_live.ready, cap), 1), cap, weight)
+        # In the shadow step the canary's pods add to the stable side: it keeps its size.
+        stable = total if not serves else max(total - min(canary_live.ready, cap), 1)
+        tracks = Tracks(None, canary_track, stable, cap, weight, canary_serves=serves)
     else:  # before the engines exist, rolled back, or promoted
         tracks = Tracks(track(p, observed, manifests.STABLE) if s is None and serving.engine_key == desired
                         else None, None, total, 0, 0, plan.rollback)
@@ -139,6 +148,9 @@ def checks(p: Pass, state: Mapping[str, Any] | None, stable_key: str) -> list[an
     a = (p.spec.get("rollout") or {}).get("analysis") or {}
     key = (state or {}).get("engineKey", "")
     built_in = an.builtin_checks(a, p.ns, p.name, key, stable_key) if p.ctx.config.prometheus_url else []
+    agreement = an.agreement_check(a, p.ns, p.name, key) if ((p.spec.get("rollout") or {}).get("shadow") or {}).get(
+        "enabled") and p.ctx.config.prometheus_url else None
+    built_in += [agreement] if agreement else []
     return built_in + an.user_checks(a, p.ns, p.name, p.version, key)
 
 
@@ -206,6 +218,38 @@ def stable_status(p: Pass, tracks: Tracks, live: Mapping[str, Any] | None) -> di
         return {"engineKey": p.engines[0].key} if p.engines else {}
     return {"engineKey": key, "stable": {"version": version, "engineKey": key, "weight": 100 - tracks.weight,
                                          "replicas": dep.replicas, "readyReplicas": dep.ready}}
+
+
+async def shadow_settings(p: Pass, canary_key: str) -> str:
+    """The stable pods' shadow config: the canary's Ready pods (listed now: only during a
+    rollout that shadows, and each Deployment event brings a pass) and the spec's bounds."""
+    selector = ",".join(f"{k}={v}" for k, v in {**manifests.selector_labels(p.name, manifests.CANARY),
+                                                contract.LABEL_ENGINE_KEY: canary_key}.items())
+    try:
+        pods = await p.ctx.kube.list("Pod", p.ns, selector)
+    except ApiError as e:
+        p.record("Warning", "ShadowNotSet", f"the canary's pods could not be listed: {e.message or e}")
+        pods = []
+    targets = observations.serving_pod_addresses(pods, manifests.RUNTIME_PORT_NAME).values()
+    return manifests.shadow_settings(p.name, p.spec, canary_key, targets)
+
+
+async def apply_shadow(p: Pass, text: str | None) -> None:
+    """The `<model>-shadow` ConfigMap holds `text`, or is gone (None). Written when it
+    changes (remembered per model; a restart reads it once)."""
+    key, name = (p.ns, p.name), manifests.shadow_config_name(p.name)
+    if p.ctx.shadow_configs.get(key) == (text or ""):  # absent: not known since this process started
+        return
+    live = await p.ctx.kube.get("ConfigMap", p.ns, name)
+    if text is None:
+        if live is not None:
+            await p.ctx.kube.delete("ConfigMap", p.ns, name)
+    elif live is None:
+        await p.ctx.kube.create(manifests.shadow_config(p.model, text))
+        p.record("Normal", "ShadowStarted", f"the stable pods copy requests to the canary ({name})")
+    elif (live.get("data") or {}).get(manifests.SHADOW_FILE) != text:
+        await p.ctx.kube.patch("ConfigMap", p.ns, name, {"data": {manifests.SHADOW_FILE: text}})
+    p.ctx.shadow_configs[key] = text or ""
 
 
 async def shift_traffic(p: Pass, weight: int) -> bool:

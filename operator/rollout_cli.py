@@ -202,11 +202,13 @@ def announce(obj: Mapping[str, Any], action: str, pending: str | None = None) ->
 
 def describe(obj: Mapping[str, Any], now: datetime.datetime) -> str:
     """The rollout of `obj` as text: stable, canary (step, weights, time, failures, last analysis), rollback."""
+    from kiln.operator.canary import Policy
     from kiln.runtime.api import spec as specmod
 
     meta, status = obj["metadata"], obj.get("status") or {}
     rollout = (specmod.apply_defaults(obj.get("spec") or {}).get("rollout") or {})
-    steps = rollout.get("steps") or []
+    policy = Policy.from_spec(rollout)
+    steps = policy.steps  # with the shadow step first, where the spec asks for one
     limit = (rollout.get("analysis") or {}).get("failureLimit")
     lines = [f"{KIND} {meta.get('namespace')}/{meta['name']}: {status.get('phase') or 'no status yet'}"]
 
@@ -222,6 +224,8 @@ def describe(obj: Mapping[str, Any], now: datetime.datetime) -> str:
     if canary:
         step = canary.get("step")
         of = f"{step + 1}/{len(steps)}" if isinstance(step, int) and steps else "?"
+        of += " (shadow: copies of the stable side's requests, no client traffic)" \
+            if policy.in_shadow_step(canary) else ""
         lines += [
             f"Canary:   version {canary.get('version', '?')}  key {canary.get('engineKey', '?')}  "
             f"{canary.get('phase', '?')}",
@@ -263,6 +267,7 @@ def _analysis(last: Mapping[str, Any] | None, now: datetime.datetime) -> list[st
              _num(c.get("max"))) for c in checks]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines += ["    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines += [f"    {c['name']}: {c['detail']}" for c in checks if c.get("detail") and c.get("name")]
         lines += [f"    {c.get('name', '?')}: {_clip(c['query'])}" for c in checks if c.get("query")]
     return lines
 

@@ -45,8 +45,9 @@ async def step(p: Pass) -> StepResult:
         stable_replicas = p.out["scaling"].replicas if tracks.stable_replicas is None else tracks.stable_replicas
         if tracks.stable is not None:
             dep = await apply_deployment(p, dep, tracks.stable, stable_replicas)
-            await apply_service(p)
             await apply_disruption_budget(p, dep)
+        if dep is not None:  # before the canary changes: its pods leave the Service before they go
+            await apply_service(p, both_tracks=tracks.canary_serves)
         dep = await set_replicas(p, dep, stable_replicas)
         if tracks.canary is not None:
             canary = await set_replicas(p, await apply_deployment(p, canary, tracks.canary, tracks.canary_replicas),
@@ -182,8 +183,8 @@ async def apply_deployment(p: Pass, dep: Mapping[str, Any] | None, track: Track,
     return dep
 
 
-async def apply_service(p: Pass, track: str = manifests.STABLE) -> None:
-    desired = manifests.runtime_service(p.model, p.spec, track)
+async def apply_service(p: Pass, track: str = manifests.STABLE, both_tracks: bool = False) -> None:
+    desired = manifests.runtime_service(p.model, p.spec, track, both_tracks)
     name = desired["metadata"]["name"]
     svc = p.views.service(p.ns, name)
     if svc is None:

@@ -57,6 +57,8 @@ class Context:
     last_status: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # (namespace, kind, route) -> the canary weight set on that HTTPRoute or GRPCRoute
     route_weights: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
+    # (namespace, model) -> the shadow config last written to `<model>-shadow` ("" for none)
+    shadow_configs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
     signals_seen: dict[str, str] = dataclasses.field(default_factory=dict)  # uid -> the signal record last acted on
     replaced_jobs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # -> uid of the deleted Job
     # (namespace, Deployment) -> the applied hash whose drift a patch could not undo (someone

@@ -86,6 +86,10 @@ def add_grpc_flags(parser: argparse.ArgumentParser, default: int = DEFAULT_GRPC_
                              f"when --port is 0)")
     parser.add_argument("--no-grpc", dest="grpc", action="store_false",
                         help="serve HTTP only")
+    parser.add_argument("--shadow-config", default=None, metavar="PATH",
+                        help="a shadow config file (the operator's, during a canary rollout with "
+                             "rollout.shadow): a sample of inferences is copied to the canary it names "
+                             "and the answers compared; read again when it changes, absent: none")
 
 
 def grpc_port(args: argparse.Namespace, default: int = DEFAULT_GRPC_PORT) -> int | None:
@@ -172,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.loading import parse_engines
     from kiln.runtime.serving.model import ServedModel
+    from kiln.runtime.serving.shadow import attach_shadow
     from kiln.runtime.serving.process import configure_logging, event_loop_choice, run_event_loop, run_until_stopped
     from kiln.runtime.serving.servers import InferenceServer
 
@@ -222,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         watch_engine_cache(metrics, args.cache_dir, args.cache_claim, cache_namespace(engines))
         model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
                             runtime, metrics, load_timeout=args.load_timeout_seconds)
+        attach_shadow(model, args.shadow_config, engine_count)
         server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
                                  body_timeout=args.body_timeout_seconds, limits=limits)
         front_ends = None
@@ -230,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
                 index=i, hub_path="", model_name=model.name, model_version=model.version,
                 cache_dir=args.cache_dir, engines=engines, runtime=runtime,
                 load_timeout=args.load_timeout_seconds, max_body_bytes=args.max_body_bytes,
-                log_level=args.log_level, event_loop=event_loop) for i in range(1, engine_count)]
+                log_level=args.log_level, event_loop=event_loop, shadow_config=args.shadow_config,
+                engine_processes=engine_count) for i in range(1, engine_count)]
             front_ends = FrontEnds(workers, args.host, args.port, lambda index, hub, batch, port: FrontEndConfig(
                 index=index, hub_path=hub, batch_hub_path=batch, host=args.host, port=port,
                 model_names=(model.name,), max_body_bytes=args.max_body_bytes,

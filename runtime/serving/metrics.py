@@ -20,6 +20,7 @@ from kiln.runtime.engine.cache.usage import CacheUsage
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DIFFERENCE_BUCKETS = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0)
 
 
 class ServerMetrics:
@@ -111,6 +112,25 @@ class ServerMetrics:
         self.model_info = Gauge(
             "kiln_model_info", "Constant 1, labelled with what the pod serves.",
             ["model", "version", "engine_key", "backend", "target"], registry=r)
+        # Shadow copies to a canary (runtime/serving/shadow.py), labelled with its engine key.
+        self.shadow_copies = Counter(
+            "kiln_shadow_copies", "Inferences copied to the canary, by outcome (compared, error: the "
+            "canary's answer was not 200 or unreadable, unavailable: none in time, dropped: queue full).",
+            ["model", "canary", "outcome"], registry=r)
+        self.shadow_comparisons = Counter(
+            "kiln_shadow_comparisons", "Outputs of copied inferences compared with the canary's, by "
+            "result (agree, differ).", ["model", "canary", "output", "result"], registry=r)
+        self.shadow_abs_difference = Histogram(
+            "kiln_shadow_abs_difference", "Largest absolute difference between the canary's output and "
+            "this pod's, per comparison.", ["model", "canary", "output"], buckets=DIFFERENCE_BUCKETS,
+            registry=r)
+        self.shadow_rel_difference = Histogram(
+            "kiln_shadow_rel_difference", "Largest relative difference between the canary's output and "
+            "this pod's, per comparison.", ["model", "canary", "output"], buckets=DIFFERENCE_BUCKETS,
+            registry=r)
+        self.shadow_canary_seconds = Histogram(
+            "kiln_shadow_canary_duration_seconds", "A copy's round trip to the canary, from this pod.",
+            ["model", "canary"], buckets=LATENCY_BUCKETS, registry=r)
         # GPU utilization and memory come from NVML at scrape time (runtime/engine/gpu.py registers
         # its collector on this registry when a GPU is present; absent otherwise).
         self.engine_cache = EngineCacheCollector()

@@ -40,6 +40,7 @@ from kiln.runtime.serving.metrics import ServerMetrics
 
 if TYPE_CHECKING:  # imported where used: a front-end process needs none of them
     from kiln.runtime.engine.cache.entry import Manifest
+    from kiln.runtime.serving.shadow import Shadow
     from kiln.runtime.serving.scheduling.scheduler import Scheduler
     from kiln.runtime.serving.sequences.manager import SequenceManager
 
@@ -145,6 +146,7 @@ class ServedModel:
         self.sequences: SequenceManager | None = None
         self._state_tensors: frozenset[str] = frozenset()
         self.timings: dict[str, float] = {}
+        self.shadow: Shadow | None = None  # copies to a canary while a rollout shadows (shadow.py)
         metrics.model_ready.labels(model=name).set_function(lambda: float(self.ready))
 
     # -- state -------------------------------------------------------------------------
@@ -378,7 +380,10 @@ class ServedModel:
             from kiln.runtime.serving.protocol import bad_request
             raise bad_request(f"model '{self.name}' is not stateful (no spec.runtime.sequences): "
                               f"drop the sequence_id parameter")
-        return await self._submit(inputs, tenant)
+        results = await self._submit(inputs, tenant)
+        if self.shadow is not None:
+            self.shadow.offer(inputs, results)  # a decision and a queue put, never a wait
+        return results
 
     async def _submit(self, inputs: dict[str, np.ndarray], tenant: str = "") -> dict[str, np.ndarray]:
         scheduler = self.scheduler
@@ -392,6 +397,8 @@ class ServedModel:
         if self.state != FAILED:
             self.state = STOPPED
         started = time.monotonic()
+        if self.shadow is not None:
+            await self.shadow.close()
         if self.sequences is not None:  # its running steps need the scheduler: close it first
             await self.sequences.close(drain_timeout)  # then it refuses steps (503)
         await self._release(max(0.0, drain_timeout - (time.monotonic() - started)))

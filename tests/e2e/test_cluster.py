@@ -25,7 +25,8 @@ from kiln.runtime.api import contract
 
 from support import snippets
 from support.localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
-from support.localcluster.client import Api, dump, pods, ready, service_endpoints, wait_for
+from support.localcluster.client import Api, ServiceClients, dump, infer, pods, ready, service_endpoints, wait_for
+from support.versions import failing_on_real_inputs, save_version, slow_version, retrained_version, shifted_version
 from support.localcluster.controlplane import A100, REPO, gateway_api_crds
 
 pytestmark = pytest.mark.e2e
@@ -148,14 +149,7 @@ def sha256(path: Path) -> str:
 def model_version(directory: Path, version: str) -> Path:
     """The demo model as version `version`: the same graph, other bytes (a metadata entry),
     so each version has its own digest and so its own engine key."""
-    import onnx
-
-    model = onnx.load(str(DEMO_MODEL))
-    onnx.helper.set_model_props(model, {"version": version})
-    path = directory / "iris" / version / "model.onnx"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_version(directory, version, lambda model: None)
 
 
 def iris(namespace: str, version: str, digest: str, replicas: int = 1, rollout: dict | None = None) -> dict:
@@ -186,15 +180,6 @@ def claim_directory(cluster, api, namespace: str, name: str) -> Path:
     wait_for(lambda: (api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}") or {})
              .get("status", {}).get("phase") == "Bound", 60, f"PVC {name} Bound")
     return cluster.kubelet.claim_directory(namespace, name)
-
-
-def infer(pod: dict, rows: list[list[float]]) -> dict:
-    body = json.dumps({"inputs": [{"name": "features", "shape": [len(rows), 4], "datatype": "FP32",
-                                   "data": [x for r in rows for x in r]}]}).encode()
-    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8080/v2/models/iris/infer", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def jobs(api, ns: str) -> list[dict]:
@@ -738,37 +723,6 @@ def test_the_operator_shifts_httproute_weights_and_the_gateway_api_crd_refuses_b
 
 # ------------------------------------------------------------------------ canary rollouts, analyzed
 
-def slow_version(directory: Path, version: str) -> Path:
-    """The demo model's answers behind a needless 20-layer MLP (times zero): the same outputs,
-    about a hundred times the latency - a version that is worse the way a bad build is."""
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(str(DEMO_MODEL))
-    g, rng, width = model.graph, np.random.default_rng(7), 1024
-    layers, x = [], "features"
-    for i, (rows, cols) in enumerate([(4, width)] + [(width, width)] * 20 + [(width, 3)]):
-        g.initializer.append(numpy_helper.from_array(rng.standard_normal((rows, cols)).astype(np.float32), f"w{i}"))
-        layers += [onnx.helper.make_node("MatMul", [x, f"w{i}"], [f"h{i}"]),
-                   onnx.helper.make_node("Tanh", [f"h{i}"], [f"t{i}"])]
-        x = f"t{i}"
-    g.initializer.append(numpy_helper.from_array(np.zeros((1,), np.float32), "zero"))
-    layers += [onnx.helper.make_node("Mul", [x, "zero"], ["nothing"])]
-    scores = next(n for n in g.node if n.op_type == "Add").output[0]
-    first = [n for n in g.node if n.op_type in ("MatMul", "Add")]
-    last = [n for n in g.node if n.op_type not in ("MatMul", "Add")]
-    for n in last:  # the outputs read the scores plus nothing
-        n.input[:] = [f"{scores}_slow" if i == scores else i for i in n.input]
-    nodes = first + layers + [onnx.helper.make_node("Add", [scores, "nothing"], [f"{scores}_slow"])] + last
-    del g.node[:]
-    g.node.extend(nodes)  # in topological order, as the ONNX checker (kiln build) requires
-    onnx.helper.set_model_props(model, {"version": version})
-    path = directory / "iris" / version / "model.onnx"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
-
-
 def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(cluster, api, kubectl, namespace,
                                                                             transcript, tmp_path):
     """Real `kiln serve` pods of each version under load, scraped by a real Prometheus that
@@ -848,6 +802,86 @@ def test_a_good_canary_is_promoted_step_by_step_and_a_slow_one_rolled_back(clust
             time.sleep(3)
             assert not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary")  # not retried
         kubectl("get", "inferencemodel", "iris", "-n", namespace, show=True)
+        kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
+                "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message", show=True)
+    finally:
+        prom.stop()
+        discovery.stop()
+
+
+# ------------------------------------------------------------------------ shadow canaries
+
+SHADOW_ROLLOUT = {"strategy": "Canary",
+                  "shadow": {"enabled": True, "percent": 100, "maxRequestsPerSecond": 50, "pauseSeconds": 5},
+                  "steps": [{"weight": 50, "pauseSeconds": 3}],
+                  "analysis": {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": 0.05, "maxLatencyRatio": 5,
+                               "agreement": {"minSamples": 10, "classOutputs": ["probabilities"]}}}
+
+
+def test_shadow_canaries_roll_back_a_failing_and_a_wrong_version_unseen_and_promote_a_good_one(
+        cluster, api, kubectl, namespace, transcript, tmp_path):
+    """ReplicaRatio traffic (no gateway): the canary's pods stay out of the Service during the
+    shadow step, the stable pods copy every request to them and compare; real Prometheus, the
+    operator's analysis. No client sees a failure through the whole test."""
+    from support import monitoring
+    from support.localcluster import PROMETHEUS_PORT
+
+    if monitoring.unavailable():
+        pytest.skip(monitoring.unavailable())
+    transcript.section("Shadow canaries: a version that fails and one that is wrong, rolled back unseen")
+    models = demo_models(cluster, api, namespace)
+    apply = lambda version, path: kubectl("apply", "-f", "-", input=json.dumps(  # noqa: E731
+        iris(namespace, version, sha256(path), replicas=2, rollout=SHADOW_ROLLOUT)))
+    status = lambda: api.status(namespace, "iris")  # noqa: E731
+    apply("1", model_version(models, "1"))
+    wait_for(lambda: status().get("phase") == "Ready", 180, "version 1 Ready")
+    discovery = pod_discovery(cluster, namespace)
+    prom = monitoring.Prometheus(tmp_path / "prom", scrape_configs=[monitoring.pod_http_sd_scrape_config(discovery.url)])
+    prom.port = PROMETHEUS_PORT
+    service = lambda: api.get(f"/api/v1/namespaces/{namespace}/services/iris")["spec"]["selector"]  # noqa: E731
+    try:
+        prom.start()
+        with ServiceClients(api, namespace) as clients:
+            prom.wait_for(f'kiln_requests_total{{namespace="{namespace}"}}', timeout=60)
+
+            # 500 on every real input: the copies fail, the clients never see it.
+            good_key = status()["engineKey"]
+            apply("2", failing_on_real_inputs(models, "2"))
+            seen_selectors: list[dict] = []
+            def rolled_back() -> dict | None:
+                seen_selectors.append(service())
+                return status().get("rollback") and status()
+            st = wait_for(rolled_back, 240, "version 2 rolled back")
+            assert "error-ratio" in st["rollback"]["reason"] and st["rollback"]["step"] == 0, st["rollback"]
+            assert st["engineKey"] == good_key and st["stable"]["version"] == "1"
+            assert all(s == {contract.LABEL_MODEL: "iris", contract.LABEL_TRACK: "stable"} for s in seen_selectors)
+            wait_for(lambda: not api.get(f"/api/v1/namespaces/{namespace}/configmaps/iris-shadow"), 60,
+                     "the shadow config removed")
+            assert clients.failures == [], clients.failures[:5]
+
+            # 200 with other numbers: no error, no latency check sees it; the agreement does.
+            apply("3", shifted_version(models, "3"))
+            st = wait_for(lambda: (status().get("rollback") or {}).get("version") == "3" and status(), 240,
+                          "version 3 rolled back")
+            assert "agreement" in st["rollback"]["reason"] and "output " in st["rollback"]["reason"], st["rollback"]
+            assert st["stable"]["version"] == "1" and clients.failures == [], clients.failures[:5]
+            warnings = [e["message"] for e in api.items(f"/api/v1/namespaces/{namespace}/events")
+                        if e["reason"] == "RolledBack"]
+            assert any("agreement" in w for w in warnings), warnings
+
+            # Tiny float differences: the shadow step passes, the weighted step too, promoted.
+            apply("4", retrained_version(models, "4"))
+            seen_weights = set()
+            def promoted() -> bool:
+                st = status()
+                if st.get("canary"):
+                    seen_weights.add((st["canary"]["step"], st["canary"]["weight"], len(service())))
+                return st.get("stable", {}).get("version") == "4" and not st.get("canary")
+            wait_for(promoted, 240, "version 4 promoted through the shadow step")
+            assert (0, 0, 2) in seen_weights and (1, 50, 1) in seen_weights, seen_weights  # shadow, then both tracks
+            assert clients.failures == [] and len(clients.latencies) > 100, (clients.failures[:5], len(clients.latencies))
+            agreed = prom.value(f'sum(kiln_shadow_comparisons_total{{namespace="{namespace}", result="agree"}})')
+            assert agreed and agreed >= 10, agreed
         kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
                 "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message", show=True)
     finally:

@@ -162,3 +162,40 @@ def test_builtin_and_user_checks_are_built_from_the_spec():
     [user] = an.user_checks(spec, "ns", "m", "2", "k2")
     assert user.query == 'x{model="m",ns="ns",v="2"}' and user.max == 1
     assert an.builtin_checks({"maxErrorRatio": None, "maxLatencyRatio": None}, "ns", "m", "k2", "k1") == []
+
+
+def test_a_shadow_step_comes_first_at_weight_zero_then_the_weighted_steps():
+    spec = {"steps": [{"weight": 10, "pauseSeconds": 60}], "canaryMinReplicas": 1,
+            "analysis": {"intervalSeconds": 20, "failureLimit": 1},
+            "shadow": {"enabled": True, "pauseSeconds": 30}}
+    policy = canary.Policy.from_spec(spec)
+    assert policy.steps == ((0, 30.0), (10, 60.0)) and policy.shadow
+    assert canary.Policy.from_spec({**spec, "shadow": {"enabled": False}}).steps == ((10, 60.0),)
+    plan = canary.advance(policy, desired_key=KEY, version="2", engines_ready=True, state=None, rollback=None,
+                          canary_ready=1, canary_target=1, stable_done=False, outcome=None, action=None, now=at(0))
+    assert plan.state["targetWeight"] == 0 and "shadow step" in plan.events[0][2], plan.events
+    assert policy.in_shadow_step(plan.state)
+    # The shadow step passes like any other: on to the first weighted step, out of the shadow.
+    plan = canary.advance(policy, desired_key=KEY, version="2", engines_ready=True, state=running(0, targetWeight=0, weight=0),
+                          rollback=None, canary_ready=1, canary_target=1, stable_done=False, outcome=None, action=None,
+                          now=at(31))
+    assert plan.analyze
+    plan = canary.advance(policy, desired_key=KEY, version="2", engines_ready=True, state=plan.state, rollback=None,
+                          canary_ready=1, canary_target=1, stable_done=False, outcome=PASS, action=None, now=at(31))
+    assert (plan.state["step"], plan.state["targetWeight"]) == (1, 10) and not policy.in_shadow_step(plan.state)
+
+
+def test_a_failed_agreement_rolls_back_with_the_worst_output_in_the_reason():
+    worst = an.Outcome(an.FAILED, ({"name": "agreement", "query": "q" * 900, "value": 0.3, "min": 0.99, "max": None,
+                                    "result": an.FAILED, "detail": "output species: max absolute difference <= 1"},),
+                       "failed: agreement")
+    plan = go(running(analysisFailures=1), now=20, outcome=worst)
+    assert plan.rollback is not None
+    assert "agreement = 0.3 (min 0.99, max None), output species: max absolute difference <= 1" in plan.rollback["reason"]
+
+
+def test_the_agreement_check_is_built_from_the_spec():
+    check = an.agreement_check({"agreement": {"minRatio": 0.95, "minSamples": 7}}, "ns", "m", "k2")
+    assert (check.name, check.min, check.max) == ("agreement", 0.95, None)
+    assert 'canary="k2"' in check.query and ">= 7" in check.query and check.detail
+    assert an.agreement_check({"agreement": None}, "ns", "m", "k2") is None

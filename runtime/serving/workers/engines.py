@@ -133,6 +133,8 @@ class EngineConfig:
     max_body_bytes: int
     log_level: str = "INFO"
     event_loop: str = "asyncio"
+    shadow_config: str | None = None  # kiln serve --shadow-config
+    engine_processes: int = 1
 
 
 def engine_main(config: EngineConfig, drain_seconds: float) -> None:
@@ -154,6 +156,9 @@ async def _serve_engine(config: EngineConfig, drain_seconds: float) -> None:
     metrics = ServerMetrics()
     model = ServedModel(config.model_name, config.model_version, config.cache_dir,
                         config.engines, config.runtime, metrics, load_timeout=config.load_timeout)
+    from kiln.runtime.serving.shadow import attach_shadow
+
+    attach_shadow(model, config.shadow_config, config.engine_processes)
     server = InferenceServer([model], metrics, max_body_bytes=config.max_body_bytes)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import quote
@@ -89,3 +92,69 @@ def service_endpoints(api: Api, namespace: str, service: str, port: str = "http"
                          if ready(p)]
         found += [(a, ports[port]) for a in addresses]
     return found
+
+
+def infer(pod: dict, rows: list[list[float]], model: str = "iris") -> dict:
+    """One v2 JSON request of `rows` to a runtime pod's port 8080; HTTPError for an answer that is not 2xx."""
+    body = json.dumps({"inputs": [{"name": "features", "shape": [len(rows), 4], "datatype": "FP32",
+                                   "data": [x for r in rows for x in r]}]}).encode()
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8080/v2/models/{model}/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.loads(r.read())
+
+
+class ServiceClients:
+    """What users of the model's Service see: `threads` loops of requests (8 rows of iris
+    features each, drawn at random) to the Ready pods its selector picks, read from the API
+    every half second (the harness has no kube-proxy; its pod IPs are in no EndpointSlice).
+    Every answer that is not 200 is kept."""
+
+    def __init__(self, api, namespace: str, service: str = "iris", threads: int = 4) -> None:
+        self.api, self.namespace, self.service = api, namespace, service
+        self.stop_flag, self.targets = threading.Event(), []
+        self.threads = [threading.Thread(target=self._send, args=(i,), daemon=True) for i in range(threads)]
+        self.threads.append(threading.Thread(target=self._resolve, daemon=True))
+        self.latencies: list[float] = []  # of every 200, in order
+        self.failures: list[tuple[int, Any]] = []  # (status, or 0 for no answer; what came back)
+
+    def _resolve(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                svc = self.api.get(f"/api/v1/namespaces/{self.namespace}/services/{self.service}")
+                selector = ",".join(f"{k}={v}" for k, v in svc["spec"]["selector"].items())
+                self.targets = [p for p in pods(self.api, self.namespace, selector)
+                                if ready(p) and not p["metadata"].get("deletionTimestamp")]
+            except Exception:  # the API server busy: the last answer stands
+                pass
+            time.sleep(0.5)
+
+    def _send(self, i: int) -> None:
+        import numpy as np
+
+        rng, turn = np.random.default_rng(i), i
+        while not self.stop_flag.is_set():
+            targets = list(self.targets)
+            if not targets:
+                time.sleep(0.05)
+                continue
+            turn += 1
+            rows = (rng.uniform([4.3, 2.0, 1.0, 0.1], [7.9, 4.4, 6.9, 2.5], (8, 4))).round(1).tolist()
+            try:
+                started = time.monotonic()
+                infer(targets[turn % len(targets)], rows)
+                self.latencies.append(time.monotonic() - started)
+            except urllib.error.HTTPError as e:
+                self.failures.append((e.code, e.read()[:200]))
+            except OSError as e:
+                self.failures.append((0, str(e)))
+
+    def __enter__(self) -> "ServiceClients":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(30)

@@ -61,6 +61,7 @@ POD_IP_PREFIX = "127.10"
 MAX_TERMINATION_MESSAGE = 4096
 FALLBACK_LOG_LINES = 80
 MERGE_PATCH = "application/merge-patch+json"
+CONFIG_REFRESH_SECONDS = 2.0
 
 
 def now() -> str:
@@ -288,6 +289,7 @@ class PodWorker(threading.Thread):
         self.grace = 30.0
         self.delete_after = True
         self.started_at = now()
+        self.config_volumes: list[tuple[Path, dict]] = []  # (directory, configMap source): kept current
 
     # ---- API
 
@@ -420,6 +422,7 @@ class PodWorker(threading.Thread):
         failures = {"startup": 0, "readiness": 0, "liveness": 0}
         due = {"startup": _initial(startup), "readiness": _initial(readiness), "liveness": _initial(liveness)}
         t0 = time.monotonic()
+        next_refresh = CONFIG_REFRESH_SECONDS
         while True:
             if self.deleting.is_set():
                 self._terminate()
@@ -454,6 +457,9 @@ class PodWorker(threading.Thread):
             if changed:
                 self.report("Running", {**base, "ready": ready, "started": is_started,
                                         "state": {"running": {"startedAt": started}}}, ready)
+            if self.config_volumes and elapsed >= next_refresh:
+                next_refresh = elapsed + CONFIG_REFRESH_SECONDS
+                self.refresh_config_volumes()
             time.sleep(0.1)
 
     def _probe(self, container: dict, probe: dict) -> bool:
@@ -532,6 +538,7 @@ class PodWorker(threading.Thread):
                 files.update(self._projected(source))
         elif "configMap" in volume:
             files.update(self._config_items(volume["configMap"], "configmaps"))
+            self.config_volumes.append((directory, volume["configMap"]))
         elif "secret" in volume:
             files.update(self._config_items(volume["secret"], "secrets"))
         else:
@@ -562,11 +569,37 @@ class PodWorker(threading.Thread):
                     if (item.get("fieldRef") or {}).get("fieldPath") in fields}
         raise RuntimeError(f"projected source {sorted(source)} is not supported by the harness")
 
+    def refresh_config_volumes(self) -> None:
+        """A ConfigMap volume follows its ConfigMap while the pod runs, as a kubelet's does
+        (there within its sync period, about a minute; here every CONFIG_REFRESH_SECONDS):
+        each changed file replaced at once, a key gone removed."""
+        for directory, ref in self.config_volumes:
+            try:
+                files = self._config_items(ref, "configmaps")
+            except Exception as e:  # the API server busy or going away: the next round
+                log.debug("pod %s: ConfigMap %s not refreshed: %s", self.name, ref.get("name"), e)
+                continue
+            for path in directory.rglob("*"):
+                if path.is_file() and str(path.relative_to(directory)) not in files:
+                    path.unlink()
+            for path, content in files.items():
+                target = directory / path
+                if not target.exists() or target.read_text() != content:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    staged = target.with_name(f".{target.name}.new")
+                    staged.write_text(content)
+                    os.replace(staged, target)
+
     def _config_items(self, ref: dict, plural: str) -> dict[str, str]:
         import base64
 
         name = ref.get("name") or ref.get("secretName")
-        obj = self.k.request("GET", f"/api/v1/namespaces/{self.ns}/{plural}/{name}")
+        try:
+            obj = self.k.request("GET", f"/api/v1/namespaces/{self.ns}/{plural}/{name}")
+        except Exception as e:
+            if ref.get("optional") and getattr(e, "status", None) == 404:
+                return {}  # an optional one that does not exist: an empty volume
+            raise
         data = dict(obj.get("data") or {})
         if plural == "secrets":
             data = {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
