@@ -183,6 +183,25 @@ class TestRuntimeDeployment:
         assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
                               {"name": "grpc", "containerPort": 8081, "protocol": "TCP"}]
 
+    def test_a_samples_file_is_read_from_the_models_claim_mounted_read_only(self):
+        dep, _ = self.deployment()
+        pod = dep["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert (c["terminationMessagePath"], c["terminationMessagePolicy"]) == ("/dev/termination-log",
+                                                                              "FallbackToLogsOnError")
+        assert "--samples-file" not in c["args"] and [v["name"] for v in pod["volumes"]] == ["cache", "tmp", "shm"]
+        dep, _ = self.deployment(runtime={"warmup": {"samplesFile": "checks/samples.json"}})
+        pod = dep["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["args"][c["args"].index("--samples-file") + 1] == "/mnt/models/models/resnet50/v1.7/checks/samples.json"
+        assert {"name": "model-source", "mountPath": "/mnt/models/models", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "model-source", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+        inline = {"samples": [{"inputs": [{"name": "input", "shape": [1], "datatype": "FP32", "data": [0.5]}]}]}
+        dep, _ = self.deployment(runtime={"warmup": inline})
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert json.loads(c["args"][c["args"].index("--runtime-spec") + 1])["warmup"]["samples"] == inline["samples"]
+        assert "--samples-file" not in c["args"]
+
     def test_a_runtime_port_on_the_grpc_port_moves_grpc_up_one(self):
         dep, _ = self.deployment(runtime={"port": 8081})
         c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -452,6 +471,34 @@ class TestObservedDeployment:
         # Without the word, or after a later change (a template), it is not known yet.
         assert not observations.observe_deployment({**scaled, "metadata": {"generation": 5}}).rolled_out
         assert not observations.observe_deployment({**scaled, "metadata": {**scaled["metadata"], "generation": 6}}).rolled_out
+
+
+class TestWarmupFailure:
+    ARGS = ["serve", "--model-name", "resnet50"]
+
+    def pod(self, where="lastState", code=9, message="WarmupFailed: sample 1 (of 1): the request is refused: x",
+            args=None, deleted=False, finished="2026-01-01T00:00:01Z"):
+        meta = {"name": "p", **({"deletionTimestamp": "2026-01-01T00:00:09Z"} if deleted else {})}
+        term = {"exitCode": code, "message": message, "finishedAt": finished}
+        return {"metadata": meta, "spec": {"containers": [{"name": "runtime", "args": args or self.ARGS}]},
+                "status": {"containerStatuses": [{"name": "runtime", where: {"terminated": term}}]}}
+
+    def test_the_reason_of_a_pod_of_the_current_template(self):
+        assert observations.warmup_failure([self.pod()], self.ARGS) == "sample 1 (of 1): the request is refused: x"
+        assert observations.warmup_failure([self.pod("state")], self.ARGS) == "sample 1 (of 1): the request is refused: x"
+        newest = self.pod(message="WarmupFailed: newer", finished="2026-01-01T00:00:07Z")
+        assert observations.warmup_failure([self.pod(), newest], self.ARGS) == "newer"
+
+    def test_anything_else_is_no_warm_up_failure(self):
+        assert observations.warmup_failure([], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(code=1, message="Traceback ...")], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(code=137, message="")], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(args=["serve", "--old"])], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(deleted=True)], self.ARGS) is None
+        assert observations.warmup_failure([{"metadata": {}, "status": {}}], self.ARGS) is None
+
+    def test_a_message_that_is_the_logs_tail_still_says_the_exit_code(self):
+        assert observations.warmup_failure([self.pod(message="some log line")], self.ARGS) == "exit code 9"
 
 
 class TestTemplateDrift:
