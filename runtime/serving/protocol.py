@@ -259,7 +259,7 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
 
     if "data" not in raw:
         raise bad_request(f"input '{name}' has neither 'data' nor binary_data_size")
-    return _json_data(name, raw["data"], shape, datatype, dtype, exact), 0
+    return json_tensor(name, raw["data"], shape, datatype, dtype, exact), 0
 
 
 # orjson reads an integer literal beyond 64 bits as the nearest float, which float data
@@ -267,8 +267,9 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
 _INT64_MAGNITUDE = 2.0 ** 63
 
 
-def _json_data(name: str, data: Any, shape: list[int], datatype: str,
-               dtype: np.dtype, exact: bool = True, what: str = "input") -> np.ndarray:
+def json_tensor(name: str, data: Any, shape: list[int], datatype: str,
+                dtype: np.dtype, exact: bool = True, what: str = "input") -> np.ndarray:
+    """A tensor's JSON `data`, checked (`what`: an input, or a warm-up's expected output)."""
     if not isinstance(data, list):
         data = [data]
     count = math.prod(shape)
@@ -300,15 +301,6 @@ def _json_data(name: str, data: Any, shape: list[int], datatype: str,
                           f"but 'data' has {source.size}")
     check_range(name, source, datatype, dtype, what)
     return source.astype(dtype).reshape(shape)
-
-
-def decode_json_tensor(name: str, data: Any, shape: list[int], datatype: str,
-                       what: str = "input") -> np.ndarray:
-    """A tensor's JSON `data` (flat or nested) of `shape` and `datatype` (a key of DATATYPES)
-    -> its array, checked as a request input's data is: element count, numbers, range.
-    `what` names the tensor in a refusal's message (an expected output, for warm-up
-    samples). Raises Refusal (INVALID)."""
-    return _json_data(name, data, shape, datatype, DATATYPES[datatype], what=what)
 
 
 def _may_hold_big_int(source: np.ndarray) -> bool:

@@ -217,8 +217,8 @@ def check_output(expected: Mapping[str, Any], actual: np.ndarray | None, toleran
     if shape is not None and list(shape) != list(actual.shape):
         return f"output {_shown(name)} has shape {list(actual.shape)}, expected {list(shape)}"
     try:
-        want = protocol.decode_json_tensor(name, expected["data"], list(actual.shape), datatype,
-                                           what="expected output")
+        want = protocol.json_tensor(name, expected["data"], list(actual.shape), datatype, DATATYPES[datatype],
+                                    what="expected output")
     except Refusal as e:
         return e.message
     return differs(name, actual, want, tolerance)
