@@ -15,8 +15,9 @@ A change of engine key with `rollout.strategy: Canary` (and something already se
     Promoting    after the last step (or `kiln rollout promote`): the stable Deployment moves
                  to the new key at full size, then the canary goes; the old engine stays in
                  the cache
-    rolled back  on failure (or `kiln rollout abort`): the canary goes at once, all traffic
-                 on stable; the key is remembered so it is not retried until the spec changes
+    rolled back  on failure (or `kiln rollout abort`, or canary pods whose warm-up samples
+                 fail): the canary goes at once, all traffic on stable; the key is remembered
+                 so it is not retried until the spec changes
 
 The state lives in `status.canary` (and `status.rollback`), so a restarted operator resumes
 exactly where it was. A newer key during a rollout supersedes it: its canary is removed and
@@ -78,10 +79,12 @@ def canary_replicas(total: int, weight: int, canary_min: int) -> int:
 
 def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bool, state: Mapping[str, Any] | None,
             rollback: Mapping[str, Any] | None, canary_ready: int, canary_target: int, stable_done: bool,
-            outcome: an.Outcome | None, action: str | None, now: datetime.datetime) -> Plan:
+            outcome: an.Outcome | None, action: str | None, now: datetime.datetime,
+            canary_failed: str | None = None) -> Plan:
     """One step of the machine. `stable_done`: the stable Deployment runs `desired_key`,
     rolled out at full size (the end of Promoting). `outcome`: an evaluation made for this
-    call (only when the previous call asked for one)."""
+    call (only when the previous call asked for one). `canary_failed`: why the canary's pods
+    never become Ready (their warm-up samples failed), which rolls it back."""
     if rollback and rollback.get("engineKey") == desired_key:
         return Plan(None, False, None, dict(rollback))  # rolled back: not retried until the spec changes
     events: list[tuple[str, str, str]] = []
@@ -101,6 +104,9 @@ def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bo
                           else f"at {weight}% of traffic")))
     if action == ABORT:
         return _rolled_back(s, now, "aborted by hand (kiln rollout abort)", events)
+    if canary_failed and s["phase"] != PROMOTING:
+        events.append(("Warning", "WarmupFailed", f"canary of engine {desired_key}: {canary_failed}"))
+        return _rolled_back(s, now, f"its pods failed their warm-up samples: {canary_failed}", events)
     if action == PROMOTE and s["phase"] != PROMOTING:
         s["phase"] = PROMOTING
         events.append(("Normal", "Promoting", f"engine {desired_key} promoted by hand (kiln rollout promote)"))

@@ -10,6 +10,8 @@
   with label/field selectors set in main.py): build Jobs and their pods, runtime
   Deployments and Services, the engine-index ConfigMaps. `reconcile()` reads these
   instead of the API.
+- A runtime pod whose container ended with WarmupFailed (its samples failed) reconciles its
+  model; runtime pods are not indexed (warmup.py lists them when it needs them).
 - A watch event on a build Job or its pod reconciles every model that needs that Job
   (found through the `kiln_models_by_job` index, so models that share a Job without
   owning it are woken too); an event on a runtime Deployment or Service reconciles its model. That
@@ -49,7 +51,8 @@ CONFIGMAPS = ("", "v1", "configmaps")
 # same filters repeat client-side on the handlers, in case a selector is not honoured.
 LABEL_SELECTORS = {
     JOBS: contract.LABEL_KEY,
-    PODS: contract.LABEL_KEY,
+    # Build pods (indexed) and runtime pods (not indexed: only their warm-up failures are news).
+    PODS: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
     DEPLOYMENTS: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
     SERVICES: ",".join(f"{k}={v}" for k, v in contract.MANAGED_BY.items() if k.endswith("managed-by")),
 }
@@ -321,6 +324,14 @@ async def on_build_pod_event(namespace: str, labels: Mapping[str, str], body: Ma
     await _wake_models_of_job(namespace, job, memo, kw, logger)
 
 
+async def on_runtime_pod_event(namespace: str, labels: Mapping[str, str], body: Mapping[str, Any], memo: Any,
+                               logger: logging.Logger, **kw: Any) -> None:
+    """A runtime pod's container ended because its warm-up samples failed: reconcile its model
+    (which lists the pods and tells why). Any other change of a runtime pod is no news here."""
+    if observations.warmup_failure([body], ((body.get("spec") or {}).get("containers") or [{}])[0].get("args")):
+        await _reconcile_models([(namespace, labels[contract.LABEL_MODEL])], memo, kw, logger)
+
+
 async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,
                            **kw: Any) -> None:
     """A runtime Deployment or Service changed or went: reconcile its model (label kiln.dev/model)."""
@@ -367,6 +378,8 @@ def register(registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
 
     kopf.on.event(*JOBS, id="job", labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_job_event)
     kopf.on.event(*PODS, id="build-pod", labels={contract.LABEL_KEY: kopf.PRESENT}, registry=registry)(on_build_pod_event)
+    kopf.on.event(*PODS, id="runtime-pod", labels={contract.LABEL_MODEL: kopf.PRESENT},
+                  registry=registry)(on_runtime_pod_event)
     kopf.on.event(*DEPLOYMENTS, id="deployment", labels=KILN, registry=registry)(on_runtime_event)
     kopf.on.event(*SERVICES, id="service", labels=KILN, registry=registry)(on_runtime_event)
     kopf.on.event(*CONFIGMAPS, id="engine-index", field="metadata.name", value=contract.ENGINE_INDEX,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import posixpath
+import urllib.parse
 from typing import Any, Iterable, Mapping
 
 from kiln.operator.config import OperatorConfig
@@ -96,6 +98,19 @@ def pvc_source(uri: str) -> tuple[str, str] | None:
         return None
     claim, _, path = uri[len("pvc://"):].partition("/")
     return claim, path
+
+
+def samples_path(spec: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(claim, path in the runtime pod) of spec.runtime.warmup.samplesFile: beside the ONNX
+    file on the model's claim, mounted read-only at <PVC_ROOT>/<claim>, as a build pod mounts
+    it. None without one (the CRD allows samplesFile only with a pvc:// or file:// URI, and
+    validate_for_cluster refuses file:// in a cluster)."""
+    name = (((spec.get("runtime") or {}).get("warmup")) or {}).get("samplesFile")
+    source = pvc_source(spec["model"]["uri"])
+    if not name or source is None:
+        return None
+    directory = posixpath.dirname(urllib.parse.unquote(source[1]))
+    return source[0], posixpath.join(PVC_ROOT, source[0], directory, name)
 
 
 # ------------------------------------------------------------------------ build Job
@@ -307,10 +322,18 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR, "readOnly": True},
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
+        # Why a pod will never be Ready (samples that fail: `WarmupFailed: ...`), for the operator.
+        "terminationMessagePath": contract.TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if track == STABLE:  # the stable pods copy to a canary while the rollout shadows (rollout.shadow)
         container["args"] += ["--shadow-config", f"{SHADOW_DIR}/{SHADOW_FILE}"]
         container["volumeMounts"].append({"name": "shadow", "mountPath": SHADOW_DIR, "readOnly": True})
+    samples = samples_path(spec)
+    if samples is not None:
+        container["args"] += ["--samples-file", samples[1]]
+        container["volumeMounts"].append({"name": "model-source", "mountPath": f"{PVC_ROOT}/{samples[0]}",
+                                          "readOnly": True})
     env = _unique_names(sequence_env(runtime) + result_cache_env(runtime)) + device_env(engines)
     if env:
         container["env"] = env
@@ -326,6 +349,9 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
     }
     if track == STABLE:  # optional: it exists only while a rollout shadows; its updates reach the file
         pod_spec["volumes"].append({"name": "shadow", "configMap": {"name": shadow_config_name(name), "optional": True}})
+    if samples is not None:
+        pod_spec["volumes"].append({"name": "model-source",
+                                    "persistentVolumeClaim": {"claimName": samples[0], "readOnly": True}})
     for field in ("nodeSelector", "tolerations", "affinity"):
         if runtime.get(field):
             pod_spec[field] = runtime[field]

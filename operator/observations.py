@@ -9,6 +9,8 @@ Pure: tested without a cluster (tests/operator/test_builders.py).
   its pod template differs from what Kiln applied.
 - `serving_pod_addresses`, `pod_load`, `deletion_cost`: which runtime pod a scale-down
   should remove first (the least busy).
+- `warmup_failure`: why a runtime Deployment's pods never become Ready, when their warm-up
+  samples failed (their termination message).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from kiln.runtime.api import contract
 from kiln.runtime.api.contract import LABEL_ENGINE_KEY
-from kiln.runtime.api.errors import EXIT_REASONS
+from kiln.runtime.api.errors import EXIT_REASONS, SERVE_EXIT_REASONS, WarmupFailed
 
 
 # ------------------------------------------------------------------------ what a Job says
@@ -258,3 +260,31 @@ def serving_pod_addresses(pods: Iterable[Mapping[str, Any]], port_name: str) -> 
         if ready and not meta.get("deletionTimestamp") and ip and ports:
             out[meta["name"]] = f"[{ip}]:{ports[0]}" if ":" in ip else f"{ip}:{ports[0]}"
     return out
+
+
+# ------------------------------------------------------------------------ what a runtime pod says
+
+def warmup_failure(pods: Iterable[Mapping[str, Any]], args: list[str] | None) -> str | None:
+    """Why the runtime pods of the current template never become Ready, when their samples
+    failed (spec.runtime.warmup): the message `kiln serve` left in its termination log
+    (`WarmupFailed: <why>`, exit code WarmupFailed's) of the newest such container among
+    `pods` that run `args` (the Deployment's template: pods of an older template that failed
+    tell nothing about this one) and are not being deleted; None when none did."""
+    newest, message = "", None
+    for pod in pods:
+        containers = (pod.get("spec") or {}).get("containers") or [{}]
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or containers[0].get("args") != args:
+            continue
+        for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+            for state in (cs.get("state"), cs.get("lastState")):
+                term = (state or {}).get("terminated") or {}
+                code = term.get("exitCode")
+                if not isinstance(code, int) or SERVE_EXIT_REASONS.get(code) != WarmupFailed.reason:
+                    continue
+                text = " ".join(str(term.get("message") or "").split())
+                prefix = f"{WarmupFailed.reason}: "
+                said = text[len(prefix):] if text.startswith(prefix) else ""  # else the log's tail: no reason
+                if (term.get("finishedAt") or "") >= newest:
+                    newest = term.get("finishedAt") or ""
+                    message = (said or f"exit code {code}")[:1024]
+    return message

@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from kiln.operator import analysis as an
-from kiln.operator import manifests, observations
+from kiln.operator import manifests, observations, warmup
 from kiln.operator import canary as cn
 from kiln.operator.engines import EngineObservation
 from kiln.operator.kube import ApiError
@@ -70,7 +70,7 @@ async def step(p: Pass) -> StepResult:
     canaried = (p.spec["rollout"]["strategy"] == "Canary" and serving.exists and bool(desired)
                 and (serving.engine_key != desired or (state or {}).get("engineKey") == desired))
     if not canaried:
-        if state or p.ctx.shadow_configs.get((p.ns, p.name)):
+        if p.ctx.shadow_configs.get((p.ns, p.name)) or (state and ((p.spec["rollout"].get("shadow") or {}).get("enabled"))):
             await apply_shadow(p, None)  # the rollout that shadowed is over
         return without_canary(p, observed, ready, desired, live)
     return await with_canary(p, observed, ready, desired, serving, state)
@@ -93,7 +93,8 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
                       serving: observations.DeploymentObservation, state: Mapping[str, Any] | None) -> StepResult:
     total = p.out["scaling"].replicas
     policy = cn.Policy.from_spec(p.spec.get("rollout") or {})
-    canary_live = observations.observe_deployment(p.views.deployment(p.ns, manifests.runtime_name(p.name, manifests.CANARY)))
+    canary_dep = p.views.deployment(p.ns, manifests.runtime_name(p.name, manifests.CANARY))
+    canary_live = observations.observe_deployment(canary_dep)
     target_weight = int((state or {}).get("targetWeight") or policy.steps[0][0])
     target = cn.canary_replicas(total, target_weight, policy.canary_min)
     canary_ready = canary_live.ready if canary_live.engine_key == desired else 0
@@ -103,7 +104,8 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
     args = dict(desired_key=desired, version=p.version, engines_ready=ready, rollback=p.previous.get("rollback"),
                 canary_ready=canary_ready, canary_target=target,
                 stable_done=serving.engine_key == desired and serving.rolled_out and serving.ready >= total,
-                action=await take_action(p), now=p.ctx.clock())
+                action=await take_action(p), now=p.ctx.clock(),
+                canary_failed=await warmup.failure(p, canary_dep) if canary_live.engine_key == desired else None)
     plan = cn.advance(policy, state=state, outcome=None, **args)
     if plan.analyze:
         outcome = await an.evaluate(p.ctx.config.prometheus_url, checks(p, plan.state, serving.engine_key))
@@ -116,7 +118,8 @@ async def with_canary(p: Pass, observed: list[EngineObservation], ready: bool, d
     weight = int(s["weight"]) if s else 0
     canary_track = track(p, observed, manifests.CANARY) if plan.canary_key else None
     shadowing = policy.shadow and canary_track is not None and s is not None and s["phase"] != cn.PROMOTING
-    await apply_shadow(p, await shadow_settings(p, s["engineKey"]) if shadowing else None)
+    if policy.shadow or p.ctx.shadow_configs.get((p.ns, p.name)):
+        await apply_shadow(p, await shadow_settings(p, s["engineKey"]) if shadowing else None)
     serves = canary_track is not None and not policy.in_shadow_step(s)
     if plan.promote:
         tracks = Tracks(track(p, observed, manifests.STABLE), canary_track, total, canary_live.replicas, weight,

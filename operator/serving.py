@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from kiln.operator import activation, manifests, observations
+from kiln.operator import activation, manifests, observations, warmup
 from kiln.operator import conditions as cond
 from kiln.operator.kube import ApiError
 from kiln.operator.rollout import Track, Tracks
@@ -61,26 +61,38 @@ async def step(p: Pass) -> StepResult:
     seen, seen_canary = observations.observe_deployment(dep), observations.observe_deployment(canary)
     await activation.route(p, seen.ready + seen_canary.ready)  # at zero, the Service goes to the activator
     failed = any(o.state == "Failed" for o in p.out["engines"])
-    conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists),
+    warmup_failed = None if p.invalid is not None else await warmup.failure(p, dep)
+    conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists,
+                                         warmup_failed=warmup_failed),
                   "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None,
                                        rolled_back=tracks.rolled_back,
-                                       scaling_up_from=p.out["scaling"].scaling_up_from)}
+                                       scaling_up_from=p.out["scaling"].scaling_up_from, warmup_failed=warmup_failed)}
     status = {"replicas": seen.replicas + seen_canary.replicas, "readyReplicas": seen.ready + seen_canary.ready,
               "selector": f"{contract.LABEL_MODEL}={p.name}"}
     starting = tracks.stable is not None and (not seen.rolled_out or (seen.desired > 0 and seen.ready == 0))
     told = [] if p.invalid is not None else transition_events(p.previous.get("conditions"), conditions)
+    before = p.previous_condition("Degraded")
+    if warmup_failed and (before.get("reason"), before.get("message")) != conditions["Degraded"][1:]:
+        told.append(("Warning", WARMUP_FAILED, conditions["Degraded"][2]))  # once per distinct message
     return StepResult(conditions=conditions, status=status, waiting=starting, events=told)  # InvalidSpec tells
 
 
 # ------------------------------------------------------------------------ pure
 
-def available(seen: observations.DeploymentObservation, invalid: bool, waiting: bool) -> Condition:
+WARMUP_FAILED = "WarmupFailed"
+
+
+def available(seen: observations.DeploymentObservation, invalid: bool, waiting: bool,
+              warmup_failed: str | None = None) -> Condition:
     if invalid:
         if seen.exists and seen.ready > 0:
             return (True, "MinimumReplicasAvailable", f"{seen.ready} ready replica(s) of the previous version")
         return (False, "NoEngine", "nothing is serving")
     if seen.exists and seen.ready > 0:
         return (True, "MinimumReplicasAvailable", f"{seen.ready}/{seen.desired} replica(s) ready, engine {seen.engine_key}")
+    if seen.exists and warmup_failed:
+        return (False, WARMUP_FAILED, f"0/{seen.desired} replica(s) ready: the pods fail their warm-up samples and "
+                                      f"never become Ready: {warmup_failed}")
     if seen.exists:
         return (False, "NoReadyReplicas" if seen.desired else "ScaledToZero", f"0/{seen.desired} replica(s) ready")
     if waiting:
@@ -89,10 +101,14 @@ def available(seen: observations.DeploymentObservation, invalid: bool, waiting: 
 
 
 def degraded(seen: observations.DeploymentObservation, invalid: str | None, failed: bool, current: bool,
-             rolled_back: Mapping[str, Any] | None = None, scaling_up_from: int | None = None) -> Condition:
+             rolled_back: Mapping[str, Any] | None = None, scaling_up_from: int | None = None,
+             warmup_failed: str | None = None) -> Condition:
     serving = seen.exists and seen.ready > 0
     if invalid is not None:
         return (True, "InvalidSpec", invalid)
+    if warmup_failed:
+        return (True, WARMUP_FAILED, f"the new pods fail their warm-up samples and never become Ready "
+                                     f"({seen.ready}/{seen.desired} ready): {warmup_failed}")
     if rolled_back:
         return (True, "RolledBack", f"version {rolled_back.get('version')} was rolled back: {rolled_back.get('reason')}; "
                 f"engine {seen.engine_key} serves")

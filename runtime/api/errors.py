@@ -1,4 +1,5 @@
-"""Typed failures of `kiln build`, each with the exit code and reason the build Job reports.
+"""Typed failures of `kiln build` and `kiln serve`, each with the exit code and reason their
+pod reports.
 
 The operator reads the reason from the Job's termination message and turns it into a
 condition on the InferenceModel, so the set of reasons is part of the contract:
@@ -12,6 +13,14 @@ condition on the InferenceModel, so the set of reasons is part of the contract:
     6     Unsupported        the backend or precision cannot work here
     7     OutOfDisk          no space left while downloading or publishing
     8     KeyMismatch        the request's engine key is not what this builder computes
+
+`kiln serve` exits with its own code for a model that can never become Ready, and writes
+`<reason>: <message>` (one line) to its termination log; the operator reads it from the
+runtime pod's container status:
+
+    exit  reason             meaning
+    9     WarmupFailed       a sample request of spec.runtime.warmup failed or answered
+                             other than expected (or the samples could not be read)
 """
 
 from __future__ import annotations
@@ -59,6 +68,23 @@ class KeyMismatch(BuildError):
     reason = "KeyMismatch"
 
 
-# The table above, as the operator reads a build pod's exit code.
+class ServeError(Exception):
+    """A `kiln serve` failure that no restart can mend; `exit_code` and `reason` go to the pod."""
+
+    exit_code = 1
+    reason = "ServeFailed"
+
+    def termination_message(self) -> str:
+        """`<reason>: <message>` on one line, as the operator reads it."""
+        return f"{self.reason}: {' '.join(str(self).split())}"
+
+
+class WarmupFailed(ServeError):
+    exit_code = 9
+    reason = "WarmupFailed"
+
+
+# The tables above, as the operator reads a build pod's or a runtime pod's exit code.
 EXIT_REASONS: dict[int, str] = {c.exit_code: c.reason for c in (
     BuildError, BadRequest, SourceUnreachable, DigestMismatch, InvalidModel, Unsupported, OutOfDisk, KeyMismatch)}
+SERVE_EXIT_REASONS: dict[int, str] = {c.exit_code: c.reason for c in (WarmupFailed,)}

@@ -166,6 +166,7 @@ def validate(obj: Mapping) -> list[str]:
     if blocking:
         errors.append(RULES_NOT_CHECKED)
     errors += _builder_flag_errors(value, prefix)
+    errors += _warmup_errors(value, prefix)
     return errors
 
 
@@ -261,6 +262,24 @@ def _builder_flag_errors(value: Mapping, prefix: str) -> list[str]:
     if isinstance(flags, dict) and any(isinstance(v, (dict, list)) or v is None for v in flags.values()):
         return ['spec.engine.builderFlags: Invalid value: '
                 'builderFlags values must be strings, numbers or booleans']
+    return []
+
+
+# spec.runtime.warmup.samples travel in the runtime container's args (--runtime-spec): kept
+# small there; a larger set belongs in samplesFile. The operator's check, not the API
+# server's: CEL cannot measure values whose schema preserves unknown fields (nested data).
+MAX_INLINE_SAMPLES_BYTES = 64 * 1024
+
+
+def _warmup_errors(value: Mapping, prefix: str) -> list[str]:
+    samples = (_get(value, "runtime", "warmup", "samples") if prefix
+               else _get(value, "spec", "runtime", "warmup", "samples"))
+    if not isinstance(samples, list):
+        return []
+    size = len(json.dumps(samples, separators=(",", ":"), default=str))
+    if size > MAX_INLINE_SAMPLES_BYTES:
+        return [f"spec.runtime.warmup.samples: Too long: the samples are {size} bytes of JSON, at most "
+                f"{MAX_INLINE_SAMPLES_BYTES} may be written inline; put them in warmup.samplesFile"]
     return []
 
 

@@ -153,11 +153,22 @@ def run(args: argparse.Namespace) -> int:
         _print(f"built engine {key} for {target} in {result.seconds:.2f}s -> {result.path}")
 
     return _serve(args, name, namespace, str(body["model"]["version"]), target, key,
-                  body.get("runtime") or {}, cache_dir)
+                  body.get("runtime") or {}, cache_dir, samples_file(body))
+
+
+def samples_file(body: dict) -> str | None:
+    """spec.runtime.warmup.samplesFile beside the model's file (a file: URI, resolved), else None."""
+    from kiln.runtime.engine.fetch import local_path
+
+    name = ((body.get("runtime") or {}).get("warmup") or {}).get("samplesFile")
+    uri = body["model"]["uri"]
+    if not name or not uri.startswith("file:"):
+        return None
+    return str(local_path(uri, allow_local_files=True).parent / name)
 
 
 def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
-           runtime: dict, cache_dir: Path) -> int:
+           runtime: dict, cache_dir: Path, samples: str | None = None) -> int:
     import asyncio
 
     from kiln.runtime.commands.serve import watch_engine_cache
@@ -174,7 +185,7 @@ def _serve(args, name: str, namespace: str, version: str, target: str, key: str,
         watch_engine_cache(metrics, str(cache_dir), "", namespace)  # no claim: a local directory
         model = ServedModel(name, version, cache_dir,
                             {target: relative_path(namespace, name, key)}, runtime, metrics,
-                            target=target)
+                            target=target, samples_file=samples)
         # local_only: a page in the user's browser must not be able to drive it.
         server = InferenceServer([model], metrics, local_only=True)
         stop = asyncio.Event()

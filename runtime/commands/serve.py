@@ -4,6 +4,9 @@ The operator's Deployment passes one --engine per target it built for; the pod p
 entry for its own GPU (or a cpu entry), verifies its sha256 against the cache manifest,
 loads and warms it up, and only then reports ready. Liveness answers from the start.
 SIGTERM: readiness false, in-flight requests finish (up to --drain-seconds), exit 0.
+Sample requests that fail (spec.runtime.warmup, --samples-file): the model never becomes
+ready, `<reason>: <message>` goes to the termination log and the process exits with the
+reason's code (runtime.api.errors: WarmupFailed, 9), so the operator can tell the user.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime-spec", default="{}", metavar="JSON",
                         help="spec.runtime of the InferenceModel as JSON (batching, "
                              "contexts, result cache); defaults are applied")
+    parser.add_argument("--samples-file", default=None, metavar="PATH",
+                        help="a JSON file of sample requests ({\"samples\": [...]}) run after the "
+                             "warm-up, before the model reports ready, after those of "
+                             "spec.runtime.warmup.samples (the operator passes "
+                             "spec.runtime.warmup.samplesFile on the model's volume)")
+    parser.add_argument("--termination-log", default=None, metavar="PATH",
+                        help="where a failure no restart mends is written (default: the pod's "
+                             "termination log when writable)")
     parser.add_argument("--host", default=os.environ.get("KILN_SERVE_HOST") or "0.0.0.0",
                         help="address to listen on (default $KILN_SERVE_HOST, else 0.0.0.0)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s)")
@@ -168,6 +179,9 @@ def watch_engine_cache(metrics, cache_dir: str, claim: str, namespace: str) -> N
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kiln.runtime.commands.termination import TERMINATION_LOG_LIMIT, termination_log, write_message
     from kiln.runtime.serving.rest.connections import ConnectionLimits
     from kiln.runtime.serving.workers.front_end import FrontEndConfig
     from kiln.runtime.serving.workers.engines import (EngineConfig, auto_engine_processes,
@@ -209,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         if workers == 1:
             engine_count = 1  # a single process: the engine is the front end
         threads = engine_threads_setting(runtime, cpus, workers, engine_count)
+        if runtime.get("warmup") is not None:  # checked now: a bad tolerance is no load failure
+            from kiln.runtime.serving.samples import Tolerance
+
+            Tolerance.from_spec(runtime["warmup"])
         if not (math.isfinite(args.load_timeout_seconds) and args.load_timeout_seconds > 0):
             raise ValueError(f"--load-timeout-seconds must be a positive number, "
                              f"got {args.load_timeout_seconds:g}")
@@ -221,20 +239,23 @@ def run(args: argparse.Namespace) -> int:
 
         os.environ[THREADS_ENV] = str(threads)
 
-    async def main() -> None:
+    async def main() -> int:
         metrics = ServerMetrics()
         # Here, in the first engine process only: every engine process reads one volume.
         watch_engine_cache(metrics, args.cache_dir, args.cache_claim, cache_namespace(engines))
         model = ServedModel(args.model_name, args.model_version, args.cache_dir, engines,
-                            runtime, metrics, load_timeout=args.load_timeout_seconds)
+                            runtime, metrics, load_timeout=args.load_timeout_seconds,
+                            samples_file=args.samples_file)
         attach_shadow(model, args.shadow_config, engine_count)
         server = InferenceServer([model], metrics, max_body_bytes=args.max_body_bytes,
                                  body_timeout=args.body_timeout_seconds, limits=limits)
         front_ends = None
         if workers > 1:
+            # The samples run in this engine process only: the others load the same engine.
+            others_runtime = {k: v for k, v in runtime.items() if k != "warmup"}
             others = [EngineConfig(
                 index=i, hub_path="", model_name=model.name, model_version=model.version,
-                cache_dir=args.cache_dir, engines=engines, runtime=runtime,
+                cache_dir=args.cache_dir, engines=engines, runtime=others_runtime,
                 load_timeout=args.load_timeout_seconds, max_body_bytes=args.max_body_bytes,
                 log_level=args.log_level, event_loop=event_loop, shadow_config=args.shadow_config,
                 engine_processes=engine_count) for i in range(1, engine_count)]
@@ -244,14 +265,25 @@ def run(args: argparse.Namespace) -> int:
                 body_timeout=args.body_timeout_seconds, limits=limits,
                 drain_seconds=args.drain_seconds, log_level=args.log_level,
                 event_loop=event_loop), engines=others, drain_seconds=args.drain_seconds)
-        await run_until_stopped(server, args.host, args.port, args.drain_seconds,
-                                grpc_port=grpc, front_ends=front_ends)
+        stop = asyncio.Event()
+
+        async def stop_if_failed(_url: str | None) -> None:
+            await server.wait_loaded()
+            if model.failure is not None:
+                write_message(termination_log(args.termination_log),
+                              model.failure.termination_message().encode()[:TERMINATION_LOG_LIMIT].decode(errors="ignore"),
+                              lambda m: print(f"kiln serve: {m}", file=sys.stderr))
+                stop.set()
+
+        await run_until_stopped(server, args.host, args.port, args.drain_seconds, on_started=stop_if_failed,
+                                stop=stop, grpc_port=grpc, front_ends=front_ends)
+        return model.failure.exit_code if model.failure is not None else 0
 
     try:
-        run_event_loop(main(), event_loop)
+        code = run_event_loop(main(), event_loop)
     except OSError as e:  # the port is taken, the address is not this host's
         ports = args.port if grpc is None else f"{args.port} (gRPC {grpc})"
         print(f"kiln serve: cannot listen on {args.host}:{ports}: {e.strerror or e}",
               file=sys.stderr)
         return 1
-    return 0
+    return code

@@ -126,3 +126,15 @@ def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.F
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def default_scheduler(engine, runtime_spec, metrics, model, engine_key, clock, version):
+    """The object a ServedModel's requests go through: the batching Scheduler."""
+    from kiln.runtime.serving.scheduling.scheduler import Scheduler
+    return Scheduler(engine, runtime_spec, metrics, model, engine_key, clock=clock, version=version)
+
+
+def detect_target() -> str:
+    """This pod's GPU architecture (or cpu), to pick its engine."""
+    from kiln.runtime.engine.gpu import detect_target as detect
+    return detect()

@@ -105,7 +105,7 @@ class ServerMetrics:
             ["model"], registry=r)
         self.engine_load_seconds = Gauge(
             "kiln_engine_load_seconds", "Engine load time by stage "
-            "(read, verify, deserialize, warmup).", ["model", "stage"], registry=r)
+            "(read, verify, deserialize, warmup, samples).", ["model", "stage"], registry=r)
         self.model_ready = Gauge(
             "kiln_model_ready", "1 when the model answers inference, else 0.", ["model"],
             registry=r)

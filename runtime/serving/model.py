@@ -19,6 +19,7 @@ Stages, each recorded in `kiln_engine_load_seconds{stage}`:
     deserialize  the backend turns the bytes into a loaded engine
     warmup       the scheduler starts its execution contexts and runs one batch at the
                  profiles' optimal shapes (batch 1 for dynamic dimensions without a profile)
+    samples      the user's sample requests (samples.py): failing, `failure`, which `kiln serve` exits with
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ import numpy as np
 from kiln.runtime.engine.backends.base import LoadedEngine, ShapeRange, TensorSpec
 from kiln.runtime.api.contract import LOAD_TIMEOUT_SECONDS as DEFAULT_LOAD_TIMEOUT_SECONDS
 from kiln.runtime.api.enginekey import normalize_target
-from kiln.runtime.serving.loading import ModelLoadError, on_daemon_thread, pick_engine, warmup_inputs
+from kiln.runtime.serving.loading import (ModelLoadError, default_scheduler, detect_target, on_daemon_thread,
+                                          pick_engine, warmup_inputs)
 from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving import samples
 
 if TYPE_CHECKING:  # imported where used: a front-end process needs none of them
     from kiln.runtime.engine.cache.entry import Manifest
@@ -92,16 +95,6 @@ class Model(Protocol):
     async def close(self, drain_timeout: float) -> None: ...
 
 
-def _default_scheduler(engine, runtime_spec, metrics, model, engine_key, clock, version):
-    from kiln.runtime.serving.scheduling.scheduler import Scheduler
-    return Scheduler(engine, runtime_spec, metrics, model, engine_key, clock=clock, version=version)
-
-
-def _detect_target() -> str:
-    from kiln.runtime.engine.gpu import detect_target
-    return detect_target()
-
-
 class ServedModel:
     """One model a server answers for; the v2 dataplane talks to it, never to an engine.
 
@@ -114,10 +107,10 @@ class ServedModel:
     def __init__(self, name: str, version: str, cache_dir: str | os.PathLike,
                  engines: Mapping[str, str], runtime_spec: Mapping[str, Any],
                  metrics: ServerMetrics, *, target: str | None = None,
-                 scheduler_factory: Callable[..., "Scheduler"] = _default_scheduler,
+                 scheduler_factory: Callable[..., "Scheduler"] = default_scheduler,
                  clock: Callable[[], float] = time.monotonic,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT_SECONDS,
-                 reader: Callable[[str], Any] | None = None):
+                 reader: Callable[[str], Any] | None = None, samples_file: str | None = None):
         if not name:
             raise ValueError("the model needs a name")
         if not (isinstance(load_timeout, (int, float)) and math.isfinite(load_timeout)
@@ -138,6 +131,8 @@ class ServedModel:
         self._clock = clock
         self.state = LOADING
         self.error: str | None = None
+        self.samples_file = samples_file  # `--samples-file`: run after spec.runtime.warmup's samples
+        self.failure: samples.WarmupFailed | None = None  # samples that failed: `kiln serve` exits with it
         self.target: str | None = None
         self.manifest: Manifest | None = None
         self.engine: LoadedEngine | None = None
@@ -241,6 +236,7 @@ class ServedModel:
         except Exception as e:  # every failure keeps the pod alive and not-ready
             self.state = FAILED
             self.error = _describe(e)
+            self.failure = e if isinstance(e, samples.WarmupFailed) else None
             log.error("model %s: load failed: %s", self.name, self.error)
             await self._release()
             return False
@@ -254,7 +250,7 @@ class ServedModel:
         from kiln.runtime.engine.backends import get_backend
 
         self._doing = "detecting this pod's GPU"
-        detected = self._target or await on_daemon_thread("kiln-detect", _detect_target)
+        detected = self._target or await on_daemon_thread("kiln-detect", detect_target)
         self.target, relpath = pick_engine(self.engines, normalize_target(detected))
         entry = os.path.join(self.cache_dir, relpath)
         log.info("model %s: loading engine %s for target %s (this pod: %s)", self.name, entry,
@@ -296,6 +292,9 @@ class ServedModel:
         self._stage("warmup", self._clock() - t)
         if sequence_spec is not None:
             self._start_sequences(sequence_spec, manifest.key)
+        t, self._doing = self._clock(), "reading and running the warm-up samples; is the model volume hung?"
+        if await samples.warm_up(self, self.runtime_spec.get("warmup"), self.samples_file):
+            self._stage("samples", self._clock() - t)
 
     def _sequence_spec(self):
         """spec.runtime.sequences checked against the loaded engine's tensors, or None."""

@@ -259,7 +259,7 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
 
     if "data" not in raw:
         raise bad_request(f"input '{name}' has neither 'data' nor binary_data_size")
-    return _json_data(name, raw["data"], shape, datatype, dtype, exact), 0
+    return json_tensor(name, raw["data"], shape, datatype, dtype, exact), 0
 
 
 # orjson reads an integer literal beyond 64 bits as the nearest float, which float data
@@ -267,38 +267,39 @@ def _decode_input(raw: Mapping[str, Any], spec: TensorSpec,
 _INT64_MAGNITUDE = 2.0 ** 63
 
 
-def _json_data(name: str, data: Any, shape: list[int], datatype: str,
-               dtype: np.dtype, exact: bool = True) -> np.ndarray:
+def json_tensor(name: str, data: Any, shape: list[int], datatype: str,
+                dtype: np.dtype, exact: bool = True, what: str = "input") -> np.ndarray:
+    """A tensor's JSON `data`, checked (`what`: an input, or a warm-up's expected output)."""
     if not isinstance(data, list):
         data = [data]
     count = math.prod(shape)
     # A flat list's length is known before numpy converts a possibly huge list for nothing.
     if data and not isinstance(data[0], list) and len(data) != count:
-        raise bad_request(f"input '{name}': shape {shown(shape)} needs {count} elements "
+        raise bad_request(f"{what} '{name}': shape {shown(shape)} needs {count} elements "
                           f"but 'data' has {len(data)}")
     try:
         source = np.array(data)
     except (ValueError, RecursionError):
-        raise bad_request(f"input '{name}': 'data' is a ragged nested list") from None
+        raise bad_request(f"{what} '{name}': 'data' is a ragged nested list") from None
     kind = source.dtype.kind
     if not exact and (kind == "f" and source.size and _may_hold_big_int(source)
                       or kind in "UO" and _holds_big_float(data)):
         raise _Reread
     if kind == "U" and dtype.kind == "f":
         if not _numbers_or_non_finite_names(data):
-            raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype} "
+            raise bad_request(f"{what} '{name}': 'data' must hold numbers for {datatype} "
                               f"(or the strings \"NaN\", \"Infinity\", \"-Infinity\")")
         source, kind = source.astype(dtype), "f"
     if source.size and kind not in "biuf":
-        raise bad_request(f"input '{name}': 'data' must hold numbers for {datatype}")
+        raise bad_request(f"{what} '{name}': 'data' must hold numbers for {datatype}")
     if dtype.kind == "b" and source.size and kind != "b":
-        raise bad_request(f"input '{name}': BOOL data must be true or false")
+        raise bad_request(f"{what} '{name}': BOOL data must be true or false")
     if dtype.kind in "iu" and kind == "f":
-        raise bad_request(f"input '{name}': {datatype} data must be integers")
+        raise bad_request(f"{what} '{name}': {datatype} data must be integers")
     if source.size != count:
-        raise bad_request(f"input '{name}': shape {shown(shape)} needs {count} elements "
+        raise bad_request(f"{what} '{name}': shape {shown(shape)} needs {count} elements "
                           f"but 'data' has {source.size}")
-    check_range(name, source, datatype, dtype)
+    check_range(name, source, datatype, dtype, what)
     return source.astype(dtype).reshape(shape)
 
 

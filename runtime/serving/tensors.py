@@ -138,12 +138,12 @@ def from_bytes(buffer: Any, dtype: np.dtype, shape: Sequence[int]) -> np.ndarray
     return array.reshape(shape)
 
 
-def check_range(name: str, array: np.ndarray, datatype: str, dtype: np.dtype) -> None:
+def check_range(name: str, array: np.ndarray, datatype: str, dtype: np.dtype, what: str = "input") -> None:
     """Integer values that `dtype` (narrower than what carried them) cannot hold: a 400."""
     if dtype.kind in "iu" and array.size:
         info = np.iinfo(dtype)
         if array.min() < info.min or array.max() > info.max:
-            raise bad_request(f"input '{name}': a value is out of range for {datatype}")
+            raise bad_request(f"{what} '{name}': a value is out of range for {datatype}")
 
 
 def check_inputs(arrays: Mapping[str, np.ndarray], inputs: Sequence[TensorSpec],

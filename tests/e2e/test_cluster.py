@@ -888,6 +888,84 @@ def test_shadow_canaries_roll_back_a_failing_and_a_wrong_version_unseen_and_prom
         prom.stop()
         discovery.stop()
 
+def with_samples(model: dict, **warmup) -> dict:
+    model["spec"]["runtime"]["warmup"] = warmup
+    return model
+
+
+SETOSA = [5.1, 3.5, 1.4, 0.2]
+
+
+def setosa_sample(species: int) -> dict:
+    """One flower, and the species the model must answer for it (the demo model says 0)."""
+    return {"id": "setosa", "inputs": [{"name": "features", "shape": [1, 4], "datatype": "FP32", "data": SETOSA}],
+            "outputs": [{"name": "species", "shape": [1], "datatype": "INT64", "data": [species]}]}
+
+
+def model_events(api, namespace: str) -> list[dict]:
+    return [e for e in api.items(f"/api/v1/namespaces/{namespace}/events") if e["involvedObject"]["kind"] == "InferenceModel"]
+
+
+def test_a_version_whose_sample_requests_fail_never_becomes_ready(cluster, api, kubectl, namespace, transcript):
+    """Real `kiln serve` pods run the samples before they report Ready: passing ones serve; a
+    canary whose answers differ is rolled back without a Ready pod (no traffic ever reaches
+    it); a version whose samples file on the model's claim fails keeps the old pods serving."""
+    transcript.section("Warm-up with real inputs")
+    models = demo_models(cluster, api, namespace)
+    canary = {"strategy": "Canary", "steps": [{"weight": 50, "pauseSeconds": 2}], "analysis": {"intervalSeconds": 5}}
+    apply = lambda body: kubectl("apply", "-f", "-", input=json.dumps(body))  # noqa: E731
+    status = lambda: api.status(namespace, "iris")  # noqa: E731
+
+    # Samples that answer as expected: version 1 becomes Ready.
+    apply(with_samples(iris(namespace, "1", sha256(model_version(models, "1")), rollout=canary),
+                       samples=[setosa_sample(0)]))
+    wait_for(lambda: status().get("phase") == "Ready", 180, "version 1, whose samples pass, Ready")
+    stable_key = status()["engineKey"]
+
+    # A canary whose samples expect another answer: its pods exit WarmupFailed, never Ready; rolled back.
+    apply(with_samples(iris(namespace, "2", sha256(model_version(models, "2")), rollout=canary),
+                       samples=[setosa_sample(2)]))
+    canary_ready = []
+
+    def rolled_back():
+        st = status()
+        canary_ready.append(((st.get("canary") or {}).get("readyReplicas") or 0)
+                            + sum(ready(p) for p in runtime_pods(api, namespace) if p["metadata"]["labels"].get(
+                                contract.LABEL_TRACK) == manifests.CANARY))
+        return st.get("rollback") and st
+    st = wait_for(rolled_back, 180, "the canary whose samples fail rolled back")
+    assert max(canary_ready) == 0, "a canary pod became Ready"
+    assert "its pods failed their warm-up samples" in st["rollback"]["reason"]
+    assert 'sample 1 (of 1, spec.runtime.warmup.samples[0], id "setosa"): output "species" differs' in st["rollback"]["reason"]
+    assert (st["engineKey"], st["stable"]["version"]) == (stable_key, "1")
+    wait_for(lambda: not api.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/iris-canary"), 60, "the canary gone")
+    warned = wait_for(lambda: [e for e in model_events(api, namespace) if e["reason"] == "WarmupFailed"], 30,
+                      "a WarmupFailed Event")
+    assert warned[0]["type"] == "Warning" and "max abs difference 2 > tolerance" in warned[0]["message"]
+    assert all(ready(p) for p in runtime_pods(api, namespace))  # version 1 serves on
+
+    # Recreate, the samples in a file beside the model on its claim: the new pod never becomes
+    # Ready, the old one keeps serving, and status and an Event say why.
+    path = model_version(models, "3")
+    (path.parent / "samples.json").write_text(json.dumps({"samples": [setosa_sample(1)]}))
+    apply(with_samples(iris(namespace, "3", sha256(path)), samplesFile="samples.json"))
+    degraded = wait_for(lambda: next((c for c in status().get("conditions") or ()
+                                      if c["type"] == "Degraded" and c["reason"] == "WarmupFailed"), None),
+                        180, "Degraded: WarmupFailed")
+    assert 'sample 1 (of 1, samples.json[0], id "setosa"): output "species" differs' in degraded["message"]
+    assert status()["phase"] == "Degraded"
+    new = [p for p in runtime_pods(api, namespace)
+           if "--samples-file" in p["spec"]["containers"][0]["args"]]
+    assert new and not any(ready(p) for p in new)
+    term = new[0]["status"]["containerStatuses"][0].get("lastState", {}).get("terminated") or \
+        new[0]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == 9 and term["message"].startswith("WarmupFailed: sample 1 (of 1, samples.json[0]")
+    assert any(ready(p) for p in runtime_pods(api, namespace))  # the old version still answers
+    infer(next(p for p in runtime_pods(api, namespace) if ready(p)), [SETOSA])
+    kubectl("get", "kim", "iris", "-n", namespace, show=True)
+    kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel,reason=WarmupFailed",
+            "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message", show=True)
+
 
 # ------------------------------------------------------------------------ upgrade and uninstall
 

@@ -179,14 +179,52 @@ class TestRuntimeDeployment:
         assert c["args"][8] == f"sm90=vision/resnet50/{e.key}"
         runtime = {k: v for k, v in spec()["runtime"].items() if k != "replicas"}
         assert json.loads(c["args"][c["args"].index("--runtime-spec") + 1]) == runtime
-        assert c["args"][-4:] == ["--port", "8080", "--grpc-port", "8081"]
+        assert c["args"][-6:] == ["--port", "8080", "--grpc-port", "8081", "--shadow-config", "/etc/kiln/shadow/shadow.json"]
         assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
                               {"name": "grpc", "containerPort": 8081, "protocol": "TCP"}]
+
+    def test_the_stable_pods_read_the_shadow_config_from_an_optional_configmap_and_the_canarys_do_not(self):
+        s = spec()
+        engines = plan_engines(s, CONFIG)
+        results = {e.index_key: {"path": f"vision/resnet50/{e.key}"} for e in engines}
+        stable = manifests.runtime_deployment(MODEL, s, engines, results, CONFIG)["spec"]["template"]["spec"]
+        assert {"name": "shadow", "configMap": {"name": "resnet50-shadow", "optional": True}} in stable["volumes"]
+        assert {"name": "shadow", "mountPath": "/etc/kiln/shadow", "readOnly": True} in stable["containers"][0]["volumeMounts"]
+        canary = manifests.runtime_deployment(MODEL, s, engines, results, CONFIG, track=manifests.CANARY)
+        pod = canary["spec"]["template"]["spec"]
+        assert "--shadow-config" not in pod["containers"][0]["args"] and "shadow" not in [v["name"] for v in pod["volumes"]]
+
+    def test_the_service_selects_the_canary_only_in_a_weighted_replica_ratio_step(self):
+        replica_ratio, gateway = spec(), spec(rollout={"traffic": {"mechanism": "GatewayAPI", "httpRoute": "r"}})
+        stable_only = {"kiln.dev/model": "resnet50", "kiln.dev/track": "stable"}
+        assert manifests.runtime_service(MODEL, replica_ratio)["spec"]["selector"] == stable_only
+        assert manifests.runtime_service(MODEL, replica_ratio, both_tracks=True)["spec"]["selector"] == {
+            "kiln.dev/model": "resnet50"}
+        assert manifests.runtime_service(MODEL, gateway, both_tracks=True)["spec"]["selector"] == stable_only
+
+    def test_a_samples_file_is_read_from_the_models_claim_mounted_read_only(self):
+        dep, _ = self.deployment()
+        pod = dep["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert (c["terminationMessagePath"], c["terminationMessagePolicy"]) == ("/dev/termination-log",
+                                                                              "FallbackToLogsOnError")
+        assert "--samples-file" not in c["args"] and [v["name"] for v in pod["volumes"]] == ["cache", "tmp", "shm", "shadow"]
+        dep, _ = self.deployment(runtime={"warmup": {"samplesFile": "checks/samples.json"}})
+        pod = dep["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["args"][c["args"].index("--samples-file") + 1] == "/mnt/models/models/resnet50/v1.7/checks/samples.json"
+        assert {"name": "model-source", "mountPath": "/mnt/models/models", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "model-source", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+        inline = {"samples": [{"inputs": [{"name": "input", "shape": [1], "datatype": "FP32", "data": [0.5]}]}]}
+        dep, _ = self.deployment(runtime={"warmup": inline})
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert json.loads(c["args"][c["args"].index("--runtime-spec") + 1])["warmup"]["samples"] == inline["samples"]
+        assert "--samples-file" not in c["args"]
 
     def test_a_runtime_port_on_the_grpc_port_moves_grpc_up_one(self):
         dep, _ = self.deployment(runtime={"port": 8081})
         c = dep["spec"]["template"]["spec"]["containers"][0]
-        assert c["args"][-4:] == ["--port", "8081", "--grpc-port", "8082"]
+        assert c["args"][-6:-2] == ["--port", "8081", "--grpc-port", "8082"]
         assert [p["containerPort"] for p in c["ports"]] == [8081, 8082]
 
     def test_sequences_get_the_store_password_from_the_secret_never_the_args(self):
@@ -204,7 +242,8 @@ class TestRuntimeDeployment:
         assert passed["store"]["passwordSecretRef"] == {"name": "kiln-redis", "key": "password"}
         # The Service stays plain: any pod continues any sequence from the store.
         svc = manifests.runtime_service(MODEL, spec(runtime={"sequences": sequences}))
-        assert "sessionAffinity" not in svc["spec"] and svc["spec"]["selector"] == {"kiln.dev/model": "resnet50"}
+        assert "sessionAffinity" not in svc["spec"] and svc["spec"]["selector"] == {"kiln.dev/model": "resnet50",
+                                                                                    "kiln.dev/track": "stable"}
         # The build is told the pairs, to check them against the engine (not part of the key).
         [e] = plan_engines(spec(runtime={"sequences": sequences}), CONFIG)
         request = manifests.build_request(MODEL, spec(runtime={"sequences": sequences}), e)
@@ -312,7 +351,7 @@ class TestRuntimeService:
     def test_port_and_selector(self):
         svc = manifests.runtime_service(MODEL, spec())
         assert svc["metadata"]["name"] == "resnet50"
-        assert svc["spec"]["selector"] == {contract.LABEL_MODEL: "resnet50"}
+        assert svc["spec"]["selector"] == {contract.LABEL_MODEL: "resnet50", contract.LABEL_TRACK: "stable"}
         assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"},
                                         {"name": "grpc", "port": 8081, "targetPort": "grpc", "protocol": "TCP",
                                          "appProtocol": "grpc"}]
@@ -452,6 +491,34 @@ class TestObservedDeployment:
         # Without the word, or after a later change (a template), it is not known yet.
         assert not observations.observe_deployment({**scaled, "metadata": {"generation": 5}}).rolled_out
         assert not observations.observe_deployment({**scaled, "metadata": {**scaled["metadata"], "generation": 6}}).rolled_out
+
+
+class TestWarmupFailure:
+    ARGS = ["serve", "--model-name", "resnet50"]
+
+    def pod(self, where="lastState", code=9, message="WarmupFailed: sample 1 (of 1): the request is refused: x",
+            args=None, deleted=False, finished="2026-01-01T00:00:01Z"):
+        meta = {"name": "p", **({"deletionTimestamp": "2026-01-01T00:00:09Z"} if deleted else {})}
+        term = {"exitCode": code, "message": message, "finishedAt": finished}
+        return {"metadata": meta, "spec": {"containers": [{"name": "runtime", "args": args or self.ARGS}]},
+                "status": {"containerStatuses": [{"name": "runtime", where: {"terminated": term}}]}}
+
+    def test_the_reason_of_a_pod_of_the_current_template(self):
+        assert observations.warmup_failure([self.pod()], self.ARGS) == "sample 1 (of 1): the request is refused: x"
+        assert observations.warmup_failure([self.pod("state")], self.ARGS) == "sample 1 (of 1): the request is refused: x"
+        newest = self.pod(message="WarmupFailed: newer", finished="2026-01-01T00:00:07Z")
+        assert observations.warmup_failure([self.pod(), newest], self.ARGS) == "newer"
+
+    def test_anything_else_is_no_warm_up_failure(self):
+        assert observations.warmup_failure([], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(code=1, message="Traceback ...")], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(code=137, message="")], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(args=["serve", "--old"])], self.ARGS) is None
+        assert observations.warmup_failure([self.pod(deleted=True)], self.ARGS) is None
+        assert observations.warmup_failure([{"metadata": {}, "status": {}}], self.ARGS) is None
+
+    def test_a_message_that_is_the_logs_tail_still_says_the_exit_code(self):
+        assert observations.warmup_failure([self.pod(message="some log line")], self.ARGS) == "exit code 9"
 
 
 class TestTemplateDrift:

@@ -125,6 +125,17 @@ def test_by_hand_promote_and_abort():
     assert plan.canary_key is None and "by hand" in plan.rollback["reason"]
 
 
+def test_a_canary_whose_pods_fail_their_warm_up_samples_is_rolled_back_before_any_traffic():
+    waiting = go(None, canary_ready=0).state  # started: its pods are not Ready, no weight yet
+    assert waiting["weight"] == 0
+    why = 'sample 1 (of 1, spec.runtime.warmup.samples[0]): output "species" differs from the expected'
+    plan = go(waiting, now=3, canary_ready=0, canary_failed=why)
+    assert (plan.canary_key, plan.state, reasons(plan)) == (None, None, ["WarmupFailed", "RolledBack"])
+    assert plan.rollback["reason"] == f"its pods failed their warm-up samples: {why}"
+    assert why in plan.events[0][2] and plan.events[0][0] == "Warning"
+    assert go(None, rollback=plan.rollback, canary_failed=why).canary_key is None  # not retried
+
+
 def test_a_newer_key_supersedes_the_running_rollout():
     old = running(engineKey=OLD)
     plan = go(old, engines_ready=False)

@@ -84,7 +84,7 @@ def test_example_manifest_builds_one_job_per_architecture(api, operator, manifes
     assert served == archs
     assert dep["spec"]["replicas"] == manifests.desired_replicas(m["spec"] | {"autoscaling": m["spec"].get("autoscaling", {})})
     # One Service for every pod; with the Gateway API the stable track's (the route weighs it against -canary).
-    track = {contract.LABEL_TRACK: manifests.STABLE} if manifests.gateway_api(m["spec"]) else {}
+    track = {contract.LABEL_TRACK: manifests.STABLE}  # the canary's pods join only in a weighted step
     service = api.wait(lambda: api.get("Service", ns, name), 10, "the Service")  # created right after the Deployment
     assert service["spec"]["selector"] == {contract.LABEL_MODEL: name, **track}
     roll_out(api, ns, name)
@@ -293,7 +293,7 @@ def test_deleted_service_comes_back_on_its_watch_event(api, operator):
     api.delete("Service", ns, name)
     back = api.wait(lambda: (lambda s: s if s and s["metadata"]["uid"] != svc["metadata"]["uid"] else None)(
         api.get("Service", ns, name)), 5, "the Service recreated")
-    assert back["spec"]["selector"] == {contract.LABEL_MODEL: name}
+    assert back["spec"]["selector"] == {contract.LABEL_MODEL: name, contract.LABEL_TRACK: manifests.STABLE}
 
 
 def test_a_build_made_obsolete_by_a_spec_change_is_deleted(api, operator):

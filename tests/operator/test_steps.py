@@ -86,6 +86,12 @@ class FakeKube:
         self.objects[key] = obj
         return obj
 
+    async def list(self, kind, namespace, label_selector=None):
+        self.calls["GET"] += 1
+        wanted = dict(kv.split("=", 1) for kv in (label_selector or "").split(",") if kv)
+        return [copy.deepcopy(o) for (k, ns, _), o in self.objects.items() if k == kind and ns == namespace
+                and wanted.items() <= (o["metadata"].get("labels") or {}).items()]
+
     async def delete(self, kind, namespace, name, uid=None):
         self._check("DELETE", kind, namespace, name)
         return self.objects.pop((kind, namespace, name), None) is not None
@@ -594,3 +600,68 @@ async def test_a_drift_a_patch_cannot_undo_is_not_fought_in_a_loop():
     patches = kube.calls["PATCH"]
     await run(c, m, world)
     assert kube.calls["PATCH"] == patches
+
+
+def runtime_pod(dep: dict, name: str, terminated: dict | None, where: str = "lastState") -> dict:
+    """A pod of `dep`'s template as the kubelet reports it; `terminated`: its container's end."""
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    status = {"name": "runtime", "ready": False, "restartCount": 1,
+              "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+    if terminated is not None:
+        status[where] = {"terminated": terminated}
+    return {"kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": dict(dep["spec"]["selector"]["matchLabels"])},
+            "spec": {"containers": [{"name": "runtime", "args": list(container["args"])}]},
+            "status": {"phase": "Running", "containerStatuses": [status]}}
+
+
+WARMUP_MESSAGE = ('WarmupFailed: sample 1 (of 1, spec.runtime.warmup.samples[0]): output "species" differs from the '
+                  'expected: max abs difference 2 > tolerance (absolute 0.0001, relative 0.001); at [0]: 0, expected 2; '
+                  '1 of 1 value(s) differ')
+
+
+async def test_pods_whose_warm_up_samples_fail_are_the_models_status_and_one_warning():
+    kube, world, m = FakeKube(), World(), model()
+    c = ctx(kube)
+    await run(c, m, world)
+    [job_key] = [k for k in kube.objects if k[0] == "Job"]
+    world.sync(kube)
+    world.jobs[job_key[2]], world.pods[job_key[2]] = finished(kube.objects[job_key], result=result_of(engine_of(m)))
+    await run(c, m, world)
+    world.sync(kube)
+    dep = kube.objects[("Deployment", NS, manifests.runtime_name(NAME))]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    dep["status"] = {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 0}
+    failed = {"exitCode": 9, "reason": "Error", "message": WARMUP_MESSAGE, "finishedAt": "2026-01-01T00:00:05Z"}
+    for i, pod in enumerate([runtime_pod(dep, "a", failed), runtime_pod(dep, "b", None)]):
+        kube.objects[("Pod", NS, pod["metadata"]["name"])] = pod
+    other = runtime_pod(dep, "older-template", {**failed, "message": "WarmupFailed: of another template"})
+    other["spec"]["containers"][0]["args"] = ["serve", "--model-version", "0"]
+    kube.objects[("Pod", NS, "older-template")] = other
+    world.sync(kube)
+    m["status"] = status_written(kube)
+    events_before = len(kube.events)
+    await run(c, m, world)
+    st = status_written(kube)
+    conditions = {c["type"]: c for c in st["conditions"]}
+    why = WARMUP_MESSAGE[len("WarmupFailed: "):]
+    assert (conditions["Available"]["status"], conditions["Available"]["reason"]) == ("False", "WarmupFailed")
+    assert conditions["Available"]["message"].endswith(f"never become Ready: {why}")
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("True", "WarmupFailed")
+    assert st["phase"] == "Degraded"
+    warnings = [e for e in kube.events[events_before:] if e[1] == "WarmupFailed"]
+    assert len(warnings) == 1 and warnings[0][0] == "Warning" and why in warnings[0][2]
+
+    m["status"] = st  # the next pass, nothing new: no second Warning
+    events_before = len(kube.events)
+    await run(c, m, world)
+    assert not [e for e in kube.events[events_before:] if e[1] == "WarmupFailed"]
+
+    # Every pod Ready (the samples were fixed): no pod is listed, nothing is degraded.
+    for key in [k for k in kube.objects if k[0] == "Pod"]:
+        del kube.objects[key]
+    ready_deployment(world, kube)
+    gets = kube.calls["GET"]
+    m["status"] = status_written(kube)
+    await run(c, m, world)
+    assert kube.calls["GET"] == gets  # a model whose pods all serve costs no list
+    assert {c["type"]: c["reason"] for c in status_written(kube)["conditions"]}["Degraded"] != "WarmupFailed"
