@@ -208,6 +208,9 @@ def service_name(model_name: str, track: str = STABLE) -> str:
 
 
 SHADOW_DIR, SHADOW_FILE = "/etc/kiln/shadow", "shadow.json"
+# A runtime pod's end: it serves on for PRE_STOP_SECONDS after its deletion (endpoints
+# propagate), then SIGTERM: in-flight requests finish within `kiln serve`'s drain (30 s).
+PRE_STOP_SECONDS, DRAIN_SECONDS = 5, 30
 
 
 def shadow_config_name(model_name: str) -> str:
@@ -322,6 +325,9 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR, "readOnly": True},
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "shm", "mountPath": "/dev/shm"}],
+        # A pod being deleted leaves the Service's endpoints while it still serves: kube-proxy,
+        # gateways and clients see the change a moment later, and their requests still land.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         # Why a pod will never be Ready (samples that fail: `WarmupFailed: ...`), for the operator.
         "terminationMessagePath": contract.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -345,7 +351,7 @@ def runtime_deployment(model: Mapping[str, Any], spec: Mapping[str, Any], engine
                     # The front-end workers' tensors (frontend.py); a container's own /dev/shm
                     # is 64 MiB. Memory-backed: counted in the pod's memory as it is used.
                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _shm_limit(runtime)}}],
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + DRAIN_SECONDS,
     }
     if track == STABLE:  # optional: it exists only while a rollout shadows; its updates reach the file
         pod_spec["volumes"].append({"name": "shadow", "configMap": {"name": shadow_config_name(name), "optional": True}})

@@ -206,7 +206,10 @@ async def apply_service(p: Pass, track: str = manifests.STABLE, both_tracks: boo
     if svc is None:
         svc, _ = await p.ctx.kube.create(manifests.with_applied(desired))
     if (svc["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH) != manifests.manifest_hash(desired):
-        await p.ctx.kube.patch("Service", p.ns, name, manifests.with_applied(desired))
+        patch = manifests.with_applied(desired)
+        # A merge patch keeps the keys it does not name: the track, when the selector drops it, is null.
+        patch["spec"]["selector"] = {contract.LABEL_TRACK: None, **desired["spec"]["selector"]}
+        await p.ctx.kube.patch("Service", p.ns, name, patch)
 
 
 async def apply_disruption_budget(p: Pass, dep: Mapping[str, Any]) -> None:

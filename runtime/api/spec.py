@@ -342,8 +342,9 @@ def _walk_k8s(value: Any, node: dict, path: str, rules: bool = True) -> Iterator
         if "oldSelf" in rule["rule"]:
             continue
         msg = run_rule(rule, value, node)
-        if msg is not None:
-            yield f"{path or '<nil>'}: Invalid value: {msg}"
+        if msg is not None:  # the API server shows a scalar's value, not an object's or a list's
+            shown = "" if isinstance(value, (dict, list)) else f"{go_format(value)}: "
+            yield f"{path or '<nil>'}: Invalid value: {shown}{msg}"
     if isinstance(value, dict):
         props = node.get("properties", {})
         extra = node.get("additionalProperties")

@@ -194,6 +194,12 @@ class TestRuntimeDeployment:
         pod = canary["spec"]["template"]["spec"]
         assert "--shadow-config" not in pod["containers"][0]["args"] and "shadow" not in [v["name"] for v in pod["volumes"]]
 
+    def test_a_deleted_pod_serves_on_while_its_endpoints_go_then_drains(self):
+        dep, _ = self.deployment()
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+        assert pod["terminationGracePeriodSeconds"] == 35  # the sleep, then kiln serve's 30 s drain
+
     def test_the_service_selects_the_canary_only_in_a_weighted_replica_ratio_step(self):
         replica_ratio, gateway = spec(), spec(rollout={"traffic": {"mechanism": "GatewayAPI", "httpRoute": "r"}})
         stable_only = {"kiln.dev/model": "resnet50", "kiln.dev/track": "stable"}

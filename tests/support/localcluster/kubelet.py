@@ -16,7 +16,8 @@ For each such pod the scheduler has bound to a node, it
   when the process exits or its liveness probe fails, terminated with the exit code and
   the termination message read from `terminationMessagePath` (the log tail under
   `FallbackToLogsOnError`);
-- on deletion sends SIGTERM, waits up to the grace period, then SIGKILL, and removes the pod.
+- on deletion runs the container's preStop `sleep`, sends SIGTERM, waits up to the grace
+  period (the sleep's included), then SIGKILL, and removes the pod.
 
 The provisioner binds every pending PersistentVolumeClaim to a new hostPath
 PersistentVolume (a directory under the harness's root), as a storage driver would.
@@ -26,7 +27,7 @@ checkout's `kiln` from the virtualenv), cgroups and resource limits, users
 (`runAsUser` is not applied; processes run as the harness's user), network namespaces
 (every pod shares the host's loopback: each gets its own 127.x address, and `kiln serve`
 binds to it through `KILN_SERVE_HOST`; the service host is the API server's loopback
-address), exec probes, init and sidecar containers, `kubectl logs`/`exec` (logs are files
+address), exec probes and preStop hooks other than `sleep`, init and sidecar containers, `kubectl logs`/`exec` (logs are files
 under `<root>/pods`), image-level `USER`, and node-level eviction.
 """
 
@@ -327,6 +328,15 @@ class PodWorker(threading.Thread):
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
+        # A preStop sleep runs first, inside the grace period, as a kubelet runs it.
+        container = self.pod["spec"]["containers"][0]
+        pre_stop = float(((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep", {}).get("seconds", 0))
+        if pre_stop > 0 and self.grace > 0:
+            try:
+                proc.wait(min(pre_stop, self.grace))
+                return  # it ended by itself meanwhile
+            except subprocess.TimeoutExpired:
+                self.grace -= min(pre_stop, self.grace)
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(max(self.grace, 0.1))
