@@ -166,14 +166,16 @@ def run(quick: bool) -> str:
         "|---|---:|---:|---:|---|",
     ]
     for name, row in (("canary steps, no shadow step", without), ("shadow step first", with_)):
+        where = " (the shadow step)" if row is with_ and row["step"] == 0 else ""
         lines.append(f"| {name} | **{row['failed']}** | {row['answered']} | {row['seconds']:.1f} s | "
-                     f"step {row['step'] + 1}: {row['reason'].split(' from ')[0]} |")
+                     f"step {row['step'] + 1}{where}: {row['reason'].split(' from ')[0]} |")
     wrong = r["wrong"]
     lines += [
         "",
         f"Target 0 failures with the shadow step: {'met' if with_['failed'] == 0 else '**missed**'} "
-        f"({with_['failed']}, against {without['failed']} without it). Without it the canary's pod is one of "
-        "the Service's three (a replica ratio of 2 stable to 1 canary) until the first analysis fails.",
+        f"({with_['failed']}, against {without['failed']} without it). Without it the canary takes its first "
+        "step's share by replica ratio, which with 2 replicas is 1 stable pod and 1 canary pod, half the "
+        "requests, until the first analysis fails.",
         "",
         f"**A version that answers 200 with other numbers** (the first class's bias moved by 5): rolled back "
         f"{wrong['seconds']:.1f} s after `kubectl apply` (its canary pod Ready at "
@@ -201,7 +203,8 @@ def run(quick: bool) -> str:
         f"{noise * 100:.1f}% (target: within noise: {'met' if added <= max(noise, 0.05) else '**missed**'}). "
         "While shadowing the canary's pod also runs on these 2 cores, which a cluster would give it a node of "
         "its own for; the copies themselves are sent after each answer, by the stable pod's engine process. "
-        f"Client-visible failures over the whole run: {r['failed at the end']}.",
+        f"Client-visible failures over the whole run: {r['failed at the end']} (those of the rollout without a "
+        "shadow step; the promotion of the last version included).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -163,8 +163,12 @@ def advance(policy: Policy, *, desired_key: str, version: str, engines_ready: bo
 
 def _failing(outcome: an.Outcome) -> str:
     bad = [c for c in outcome.checks if c["result"] == an.FAILED] or list(outcome.checks)
-    return "; ".join(f"{c['name']} = {c['value']} (min {c['min']}, max {c['max']})"
+    return "; ".join(f"{c['name']} = {_shown(c['value'])} (min {c['min']}, max {c['max']})"
                      + (f", {c['detail']}" if c.get("detail") else "") + f" from {c['query']}" for c in bad)
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _rolled_back(s: Mapping[str, Any], now: datetime.datetime, reason: str,
