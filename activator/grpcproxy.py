@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from kiln import __version__
 from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused, Unknown
-from kiln.activator.routing import NAMESPACE_HEADER, model_key
+from kiln.activator.routing import NAMESPACE_HEADER
 from kiln.activator.table import Endpoint, Key
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
 
@@ -100,7 +100,7 @@ class GrpcProxy:
             model = getattr(message_type.FromString(message), MODEL_FIELD[method])
         except (DecodeError, UnicodeDecodeError):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the bytes are not a {message_type.__name__}")
-        key = model_key(model, None, self.holder.table, self.default_namespace, _named(context))
+        key = await self.holder.key(model, None, self.default_namespace, _named(context))
         if key is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"cannot tell the namespace of model {model!r}: "
                                                            f"call it by its Service name, <model>.<namespace>.svc")

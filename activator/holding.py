@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from kiln.activator.routing import model_key
 from kiln.activator.table import Endpoint, Key, Table
 
 log = logging.getLogger("kiln.activator.holding")
@@ -25,6 +26,7 @@ DEFAULT_MAX_QUEUED = 1000
 DEFAULT_MAX_WAIT = 120.0
 RETRY_ACTIVATION = 5.0  # seconds before a failed activation is asked again
 RETRY_AFTER = 5  # seconds, told with every refusal
+SETTLE_SECONDS = 2.0  # how long a request for a model not (yet) known here waits to be known
 MAX_HELD_BYTES = 64 << 20  # the largest request body (or gRPC message) held in memory
 
 Activate = Callable[[str, str], Awaitable[object]]  # (namespace, model): scale to one if at zero
@@ -61,6 +63,24 @@ class Holder:
         self._models: dict[Key, _Model] = {}
         self._turn = itertools.count()  # spreads requests over a model's Ready pods
         self.activations = 0  # activations asked (tests and the log read it)
+
+    async def key(self, model: str, host: str | None, default_namespace: str | None,
+                  named: str | None = None) -> Key | None:
+        """The request's model (routing.model_key), waiting up to SETTLE_SECONDS for the table
+        to know it: the operator hands a model's Service here and clients follow at once,
+        while this activator's own watch of that may come a moment later. A model still
+        unknown then is answered as unknown (None: no namespace to tell)."""
+        deadline = self.clock() + SETTLE_SECONDS
+        while True:
+            key = model_key(model, host, self.table, default_namespace, named)
+            left = deadline - self.clock()
+            if (key is not None and self.table.known(key)) or left <= 0:
+                return key
+            try:
+                async with asyncio.timeout(left):
+                    await self.table.changed()
+            except TimeoutError:
+                pass
 
     def held(self, key: Key) -> int:
         return self._models[key].held if key in self._models else 0

@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused, Unknown
-from kiln.activator.routing import NAMESPACE_HEADER, model_key
+from kiln.activator.routing import NAMESPACE_HEADER
 from kiln.activator.table import Endpoint
 
 log = logging.getLogger("kiln.activator.rest")
@@ -81,8 +81,7 @@ class RestProxy:
 
     async def model(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
-        key = model_key(name, request.host, self.holder.table, self.default_namespace,
-                        request.headers.get(NAMESPACE_HEADER))
+        key = await self.holder.key(name, request.host, self.default_namespace, request.headers.get(NAMESPACE_HEADER))
         if key is None:
             return _json(404, {"error": f"cannot tell the namespace of model {name!r}: "
                                         f"call it by its Service name, <model>.<namespace>.svc"})

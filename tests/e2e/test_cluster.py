@@ -1203,9 +1203,13 @@ def test_an_idle_model_goes_to_zero_and_requests_at_zero_are_held_and_answered(
             slice_ = wait_for(lambda: api.get(held), 30, f"{what}: the Service's EndpointSlice to the activator")
             assert slice_["metadata"]["labels"]["kubernetes.io/service-name"] == "iris"
             assert [(p["name"], p["port"]) for p in slice_["ports"]] == [("http", 8080), ("grpc", 8081)]
-            st = api.status(namespace, "iris")
-            available = next(c for c in st["conditions"] if c["type"] == "Available")
-            assert (available["status"], available["reason"], st["phase"]) == ("False", "ScaledToZero", "Ready")
+            # The pass that writes the slice writes the status at its end, a moment later.
+            def scaled_to_zero() -> tuple[str, str, str]:
+                st = api.status(namespace, "iris")
+                available = next(c for c in st["conditions"] if c["type"] == "Available")
+                return (available["status"], available["reason"], st["phase"])
+            wait_for(lambda: scaled_to_zero() == ("False", "ScaledToZero", "Ready"), 10,
+                     f"{what}: Available ScaledToZero, phase Ready")
             return time.monotonic() - t0
 
         # 1. No requests: to zero after the idle time.
