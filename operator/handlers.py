@@ -329,7 +329,9 @@ async def on_runtime_pod_event(namespace: str, labels: Mapping[str, str], body: 
     """A runtime pod's container ended because its warm-up samples failed: reconcile its model
     (which lists the pods and tells why). Any other change of a runtime pod is no news here."""
     if observations.warmup_failure([body], ((body.get("spec") or {}).get("containers") or [{}])[0].get("args")):
-        await _reconcile_models([(namespace, labels[contract.LABEL_MODEL])], memo, kw, logger)
+        model = labels[contract.LABEL_MODEL]
+        memo.ctx.warmup_failing.add((namespace, model, labels.get(contract.LABEL_TRACK, "stable")))
+        await _reconcile_models([(namespace, model)], memo, kw, logger)
 
 
 async def on_runtime_event(namespace: str, labels: Mapping[str, str], memo: Any, logger: logging.Logger,

@@ -59,6 +59,8 @@ class Context:
     route_weights: dict[tuple[str, str, str], int] = dataclasses.field(default_factory=dict)
     # (namespace, model) -> the shadow config last written to `<model>-shadow` ("" for none)
     shadow_configs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    # (namespace, model, track) whose runtime pod the watch saw end with WarmupFailed (warmup.py)
+    warmup_failing: set[tuple[str, str, str]] = dataclasses.field(default_factory=set)
     signals_seen: dict[str, str] = dataclasses.field(default_factory=dict)  # uid -> the signal record last acted on
     replaced_jobs: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)  # -> uid of the deleted Job
     # (namespace, Deployment) -> the applied hash whose drift a patch could not undo (someone

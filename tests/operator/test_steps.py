@@ -639,6 +639,10 @@ async def test_pods_whose_warm_up_samples_fail_are_the_models_status_and_one_war
     kube.objects[("Pod", NS, "older-template")] = other
     world.sync(kube)
     m["status"] = status_written(kube)
+    gets = kube.calls["GET"]
+    await run(c, m, world)  # pods not Ready, none seen failing by the watch: nothing is listed
+    assert kube.calls["GET"] == gets
+    c.warmup_failing.add((NS, NAME, manifests.STABLE))  # what the pod watch marks (handlers.on_runtime_pod_event)
     events_before = len(kube.events)
     await run(c, m, world)
     st = status_written(kube)
