@@ -72,10 +72,10 @@ def agreement_check(analysis: Mapping[str, Any], ns: str, model: str, canary_key
               f'0 * increase(kiln_shadow_comparisons_total{{{sel}, result="differ"}}[{WINDOW}])')
     samples = f'sum(increase(kiln_shadow_copies_total{{{sel}, outcome="compared"}}[{WINDOW}]))'
     query = (f"min(sum by (output) ({agreed}) / sum by (output) (increase({compared}[{WINDOW}]))) "
-             f"and on () ({samples} >= {int(a.get('minSamples', 50))})")
+             f"and on () ({samples} >= {int(a['minSamples'])})")
     worst = (f"max by (output) (histogram_quantile(1, sum by (output, le) "
              f"(increase(kiln_shadow_abs_difference_bucket{{{sel}}}[{WINDOW}]))))")
-    return Check("agreement", query, min=float(a.get("minRatio", 0.99)), detail=worst)
+    return Check("agreement", query, min=float(a["minRatio"]), detail=worst)
 
 
 def user_checks(analysis: Mapping[str, Any], ns: str, model: str, version: str, canary_key: str) -> list[Check]:

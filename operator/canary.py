@@ -50,11 +50,11 @@ class Policy:
     def from_spec(cls, rollout: Mapping[str, Any]) -> "Policy":
         """From a defaulted spec's `rollout` (the CRD holds the defaults)."""
         a = rollout["analysis"]
-        shadow = rollout.get("shadow") or {}
-        first = ((0, float(shadow.get("pauseSeconds", 60))),) if shadow.get("enabled") else ()
+        shadow = rollout["shadow"]
+        first = ((0, float(shadow["pauseSeconds"])),) if shadow["enabled"] else ()
         return cls(first + tuple((int(s["weight"]), float(s["pauseSeconds"])) for s in rollout["steps"]),
                    float(a["intervalSeconds"]), int(a["failureLimit"]), int(rollout["canaryMinReplicas"]),
-                   bool(shadow.get("enabled")))
+                   bool(shadow["enabled"]))
 
     def in_shadow_step(self, state: Mapping[str, Any] | None) -> bool:
         """The canary has no client traffic: its step is the shadow step (weight 0)."""

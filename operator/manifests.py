@@ -229,14 +229,13 @@ def shadow_config(model: Mapping[str, Any], text: str) -> dict[str, Any]:
 
 def shadow_settings(model_name: str, spec: Mapping[str, Any], canary_key: str, targets: Iterable[str]) -> str:
     """The shadow config file's text (runtime/serving/shadow.py reads it), from a defaulted spec."""
-    rollout = spec.get("rollout") or {}
-    shadow, agreement = rollout.get("shadow") or {}, (rollout.get("analysis") or {}).get("agreement") or {}
+    shadow, agreement = spec["rollout"]["shadow"], spec["rollout"]["analysis"]["agreement"]
+    # With the agreement check off (null) the runtime compares with its own tolerances: counted, not judged.
+    compare = {k: agreement[k] for k in ("classOutputs", "absoluteTolerance", "relativeTolerance")
+               if agreement and k in agreement}
     return json.dumps({"model": model_name, "canaryEngineKey": canary_key, "targets": sorted(targets),
-                       "percent": shadow.get("percent", 10), "maxRequestsPerSecond": shadow.get("maxRequestsPerSecond", 20),
-                       "timeoutSeconds": shadow.get("timeoutSeconds", 2),
-                       "classOutputs": list(agreement.get("classOutputs") or []),
-                       "absoluteTolerance": agreement.get("absoluteTolerance", 1e-3),
-                       "relativeTolerance": agreement.get("relativeTolerance", 1e-2)}, sort_keys=True)
+                       "percent": shadow["percent"], "maxRequestsPerSecond": shadow["maxRequestsPerSecond"],
+                       "timeoutSeconds": shadow["timeoutSeconds"], **compare}, sort_keys=True)
 
 
 def selector_labels(model_name: str, track: str = STABLE) -> dict[str, str]:

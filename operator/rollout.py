@@ -70,7 +70,7 @@ async def step(p: Pass) -> StepResult:
     canaried = (p.spec["rollout"]["strategy"] == "Canary" and serving.exists and bool(desired)
                 and (serving.engine_key != desired or (state or {}).get("engineKey") == desired))
     if not canaried:
-        if p.ctx.shadow_configs.get((p.ns, p.name)) or (state and ((p.spec["rollout"].get("shadow") or {}).get("enabled"))):
+        if p.ctx.shadow_configs.get((p.ns, p.name)) or (state and p.spec["rollout"]["shadow"]["enabled"]):
             await apply_shadow(p, None)  # the rollout that shadowed is over
         return without_canary(p, observed, ready, desired, live)
     return await with_canary(p, observed, ready, desired, serving, state)
@@ -151,8 +151,8 @@ def checks(p: Pass, state: Mapping[str, Any] | None, stable_key: str) -> list[an
     a = (p.spec.get("rollout") or {}).get("analysis") or {}
     key = (state or {}).get("engineKey", "")
     built_in = an.builtin_checks(a, p.ns, p.name, key, stable_key) if p.ctx.config.prometheus_url else []
-    agreement = an.agreement_check(a, p.ns, p.name, key) if ((p.spec.get("rollout") or {}).get("shadow") or {}).get(
-        "enabled") and p.ctx.config.prometheus_url else None
+    agreement = an.agreement_check(a, p.ns, p.name, key) if (
+        p.spec["rollout"]["shadow"]["enabled"] and p.ctx.config.prometheus_url) else None
     built_in += [agreement] if agreement else []
     return built_in + an.user_checks(a, p.ns, p.name, p.version, key)
 

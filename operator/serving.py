@@ -206,10 +206,12 @@ async def apply_service(p: Pass, track: str = manifests.STABLE, both_tracks: boo
     if svc is None:
         svc, _ = await p.ctx.kube.create(manifests.with_applied(desired))
     if (svc["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED_HASH) != manifests.manifest_hash(desired):
-        patch = manifests.with_applied(desired)
-        # A merge patch keeps the keys it does not name: the track, when the selector drops it, is null.
-        patch["spec"]["selector"] = {contract.LABEL_TRACK: None, **desired["spec"]["selector"]}
-        await p.ctx.kube.patch("Service", p.ns, name, patch)
+        # From the manifest last applied, as for a Deployment: a selector key it drops is named null.
+        try:
+            last = json.loads((svc["metadata"].get("annotations") or {}).get(contract.ANN_APPLIED) or "null")
+        except ValueError:
+            last = None
+        await p.ctx.kube.patch("Service", p.ns, name, restore_patch(last, manifests.with_applied(desired), []))
 
 
 async def apply_disruption_budget(p: Pass, dep: Mapping[str, Any]) -> None:

@@ -181,7 +181,7 @@ def test_a_shadow_step_comes_first_at_weight_zero_then_the_weighted_steps():
             "shadow": {"enabled": True, "pauseSeconds": 30}}
     policy = canary.Policy.from_spec(spec)
     assert policy.steps == ((0, 30.0), (10, 60.0)) and policy.shadow
-    assert canary.Policy.from_spec({**spec, "shadow": {"enabled": False}}).steps == ((10, 60.0),)
+    assert canary.Policy.from_spec({**spec, "shadow": {"enabled": False, "pauseSeconds": 30}}).steps == ((10, 60.0),)
     plan = canary.advance(policy, desired_key=KEY, version="2", engines_ready=True, state=None, rollback=None,
                           canary_ready=1, canary_target=1, stable_done=False, outcome=None, action=None, now=at(0))
     assert plan.state["targetWeight"] == 0 and "shadow step" in plan.events[0][2], plan.events
