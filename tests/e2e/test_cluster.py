@@ -25,7 +25,7 @@ from kiln.runtime.api import contract
 
 from support import snippets
 from support.localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
-from support.localcluster.client import Api, ServiceClients, dump, infer, pods, ready, service_endpoints, wait_for
+from support.localcluster.client import Api, ClientThreads, ServiceClients, dump, infer, pods, ready, service_endpoints, wait_for
 from support.versions import failing_on_real_inputs, save_version, slow_version, retrained_version, shifted_version
 from support.localcluster.controlplane import A100, REPO, gateway_api_crds
 
@@ -373,16 +373,13 @@ def pod_discovery(cluster, namespace: str):
                                    key_file=str(cp.root / "pki" / "admin.key")).start()
 
 
-class Load:
+class Load(ClientThreads):
     """Clients a user's traffic would be: `threads` loops of 64-row requests over the Ready
     runtime pods (round robin, as a Service would spread them)."""
 
     def __init__(self, api, namespace: str, threads: int = 8) -> None:
-        import threading
-
-        self.api, self.namespace, self.stop_flag = api, namespace, threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-        self.errors = 0
+        super().__init__([(self._run, ())] * threads)
+        self.api, self.namespace, self.errors = api, namespace, 0
 
     def _run(self) -> None:
         rows = [[5.1, 3.5, 1.4, 0.2]] * 64
@@ -396,16 +393,6 @@ class Load:
                 except OSError:
                     self.errors += 1
             i += 1
-
-    def __enter__(self) -> "Load":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(30)
 
 
 def busy_fraction(pod: dict, seconds: float = 3.0) -> float:

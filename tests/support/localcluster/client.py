@@ -104,17 +104,33 @@ def infer(pod: dict, rows: list[list[float]], model: str = "iris") -> dict:
         return json.loads(r.read())
 
 
-class ServiceClients:
+class ClientThreads:
+    """Client loops on threads, from `with` until its end: each runs while `stop_flag` is clear."""
+
+    def __init__(self, targets: list[tuple[Callable[..., None], tuple]]) -> None:
+        self.stop_flag = threading.Event()
+        self.threads = [threading.Thread(target=run, args=args, daemon=True) for run, args in targets]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(30)
+
+
+class ServiceClients(ClientThreads):
     """What users of the model's Service see: `threads` loops of requests (8 rows of iris
     features each, drawn at random) to the Ready pods its selector picks, read from the API
     every half second (the harness has no kube-proxy; its pod IPs are in no EndpointSlice).
     Every answer that is not 200 is kept."""
 
     def __init__(self, api, namespace: str, service: str = "iris", threads: int = 4) -> None:
-        self.api, self.namespace, self.service = api, namespace, service
-        self.stop_flag, self.targets = threading.Event(), []
-        self.threads = [threading.Thread(target=self._send, args=(i,), daemon=True) for i in range(threads)]
-        self.threads.append(threading.Thread(target=self._resolve, daemon=True))
+        super().__init__([(self._send, (i,)) for i in range(threads)] + [(self._resolve, ())])
+        self.api, self.namespace, self.service, self.targets = api, namespace, service, []
         self.latencies: list[float] = []  # of every 200, in order
         self.failures: list[tuple[int, Any]] = []  # (status, or 0 for no answer; what came back)
 
@@ -148,13 +164,3 @@ class ServiceClients:
                 self.failures.append((e.code, e.read()[:200]))
             except OSError as e:
                 self.failures.append((0, str(e)))
-
-    def __enter__(self) -> "ServiceClients":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join(30)
