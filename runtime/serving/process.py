@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -24,6 +25,15 @@ log = logging.getLogger("kiln.runtime.server")
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def may_start_processes() -> None:
+    """In a front end: let it start processes of its own (its JSON worker, rest.body). The
+    supervisor starts front ends daemonic, so that the engine's exit ends them, and
+    multiprocessing refuses a daemonic process children (they would be orphaned when it is
+    ended); the JSON worker dies with its front end instead. The flag changed here is this
+    process's own view of itself; the supervisor's handle is unchanged."""
+    multiprocessing.current_process().daemon = False
 
 
 EVENT_LOOP_ENV = "KILN_EVENT_LOOP"

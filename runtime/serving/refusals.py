@@ -10,6 +10,8 @@ kiln_requests_total is the kind's too (`OUTCOME`), counted once, by the dataplan
 from __future__ import annotations
 
 import enum
+import logging
+import secrets
 
 from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
 
@@ -63,6 +65,16 @@ class ModelUnavailable(Refusal):
 
     def __reduce__(self):
         return type(self), (self.model, self.state, self.message, self.retry_after)
+
+
+def internal_error(log: logging.Logger, what: str) -> Refusal:
+    """An unexpected failure (a bug), called in its `except` block: logged with its
+    traceback under a new request id, and answered as FAILED with that id, never with the
+    exception's text (which may hold paths, a peer's bytes, or internals)."""
+    request_id = secrets.token_hex(8)
+    log.exception("%s failed unexpectedly (request id %s)", what, request_id)
+    return Refusal(Kind.FAILED, f"internal error (request id {request_id}); "
+                                f"the server's log has the details")
 
 
 def invalid(message: str) -> Refusal:

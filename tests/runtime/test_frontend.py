@@ -25,7 +25,7 @@ from kiln.runtime.serving.workers.supervisor import default_workers, parse_worke
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 from support.metrics import wait_for_metric
-from support.serving import (NAME, Built, ServerThread, assert_matches, build_cpu_engine, json_inputs,
+from support.serving import (NAME, Built, HttpClient, children, assert_matches, build_cpu_engine, json_inputs,
                              neg_model, sample)
 
 pytestmark = pytest.mark.timeout(90)
@@ -52,8 +52,7 @@ def start(kiln_process, tmp_path: Path, workers: int, args: list[str]):
         port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
     else:
         port = int(p.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
-    client = ServerThread.__new__(ServerThread)  # only its HTTP client half
-    client.port = port
+    client = HttpClient(port)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -64,20 +63,6 @@ def start(kiln_process, tmp_path: Path, workers: int, args: list[str]):
         assert time.monotonic() < deadline, "\n".join(p.lines)
         time.sleep(0.05)
     return p, client
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -265,15 +250,25 @@ def test_sigterm_drains_every_front_end_then_the_engine(built, tmp_path, kiln_pr
 
 
 def test_a_front_end_that_dies_is_replaced(built, tmp_path, kiln_process):
+    """...and its shared memory does not outlive it in /dev/shm (memory, in a pod)."""
     p, client = serve(kiln_process, built, tmp_path, 2)
+
+    def listening(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while sum("rest.server: listening on" in line for line in list(p.lines)) < count:
+            assert time.monotonic() < deadline, "\n".join(p.lines)
+            time.sleep(0.05)
+
     try:
+        listening(2)  # both front ends: connected to the engine, then listening
         first = front_ends(p.proc.pid)
+        segments = {line.split()[-1] for line in Path(f"/proc/{first[0]}/maps").read_text()
+                    .splitlines() if "/dev/shm/" in line}
+        assert segments
         os.kill(first[0], signal.SIGKILL)
         p.wait_for(r"front end \d exited \(code -9\); starting it again", timeout=10)
-        deadline = time.monotonic() + 30
-        while len(set(front_ends(p.proc.pid)) - set(first)) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        listening(3)
+        assert not any(Path(segment).exists() for segment in segments), segments
         for i in range(20):  # every connection lands on a live front end
             status, _, doc = client.infer({"inputs": json_inputs(sample(1, seed=i))})
             assert status == 200, doc

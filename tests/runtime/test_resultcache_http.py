@@ -13,7 +13,7 @@ import pytest
 from kiln.operator import manifests
 
 from support.sequence_models import RedisServer, redis_server_binary
-from support.serving import NAME, RUNTIME, Built, ServerThread, assert_matches, json_inputs, sample
+from support.serving import NAME, RUNTIME, Built, HttpClient, ServerThread, assert_matches, json_inputs, sample
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
 
@@ -102,8 +102,7 @@ def test_per_tenant_results_through_front_end_workers(built, redis, tmp_path, ki
                       "--engine", f"cpu={built.rel}", "--runtime-spec",
                       json.dumps(runtime(redis.address, perTenant=True)), "--host", "127.0.0.1",
                       "--port", "0", "--no-grpc", "--workers", "2"], tmp_path)
-    client = ServerThread.__new__(ServerThread)  # only its HTTP client half
-    client.port = int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1))
+    client = HttpClient(int(p.wait_for(r"front-end worker\(s\) on 127\.0\.0\.1:(\d+)").group(1)))
     try:
         deadline = time.monotonic() + 30
         while not _ready(client):

@@ -29,7 +29,7 @@ from kiln.runtime.serving.rest.connections import ConnectionLimits
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
 from support.metrics import wait_for_metric
-from support.serving import (MAX_BODY, NAME, RUNTIME, Built, ServerThread, assert_matches,
+from support.serving import (MAX_BODY, NAME, RUNTIME, Built, HttpClient, ServerThread, assert_matches,
                              build_cpu_engine, json_inputs, neg_model, sample)
 
 pytestmark = pytest.mark.timeout(60)
@@ -444,8 +444,7 @@ def test_kiln_serve_drains_an_in_flight_request_on_sigterm(built, tmp_path, kiln
                  "--drain-seconds", "10"], tmp_path)
     try:
         port = int(p.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
-        client = ServerThread.__new__(ServerThread)  # only its HTTP client half
-        client.port = port
+        client = HttpClient(port)
         deadline = time.monotonic() + 20
         while client.get("/v2/health/ready")[0] != 200:
             assert time.monotonic() < deadline
@@ -732,34 +731,5 @@ def test_kiln_dev_mode_refuses_foreign_hosts_and_form_posts(built):
         status, headers, _ = srv.request("POST", f"/v2/models/{NAME}/infer", good,
                                          {"Content-Type": "application/json; charset=utf-8"})
         assert status == 200 and headers["Server"] == "kiln"
-    finally:
-        srv.close()
-
-
-def test_large_json_is_decoded_off_the_event_loop(tmp_path):
-    """A JSON body above the inline threshold goes to the decoding worker process: the
-    answer is right, and liveness answers while it is decoded."""
-    width = 200_000  # one row of 200k floats: about 2.4 MB of JSON, each way
-    rel = build_cpu_engine(tmp_path, NAME, neg_model(width))
-    srv = ServerThread(tmp_path / "cache", {"cpu": rel},
-                       {"batching": {"maxBatchSize": 4}}, max_body_bytes=64 << 20)
-    try:
-        assert srv.wait_loaded(), srv.model.status_message()
-        x = np.random.default_rng(3).standard_normal((2, width)).astype(np.float32)
-        answers: list = []
-        worker = threading.Thread(target=lambda: answers.append(srv.infer(
-            {"inputs": [{"name": "x", "shape": [2, width], "datatype": "FP32",
-                         "data": x.tolist()}]})))
-        worker.start()
-        live = 0
-        while worker.is_alive():
-            assert srv.get("/v2/health/live")[0] == 200
-            live += 1
-        worker.join()
-        status, _, doc = answers[0]
-        assert status == 200, doc
-        np.testing.assert_array_equal(np.asarray(doc["outputs"][0]["data"], np.float32)
-                                      .reshape(2, width), -x)
-        assert live >= 2
     finally:
         srv.close()

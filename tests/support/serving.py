@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from kiln.runtime.serving.model import ServedModel
 from kiln.runtime.api.spec import runtime_with_defaults
 from kiln.runtime.serving.servers import InferenceServer
 
+from .kilnprocess import KilnProcess
 from .metrics import metric_value
 
 NAME = "multi"
@@ -94,36 +97,11 @@ class Built:
         return dict(zip(names, self.session.run(names, inputs)))
 
 
-class ServerThread:
-    """An InferenceServer on its own event loop in a thread, on a free port."""
+class HttpClient:
+    """A plain HTTP client over real sockets to a server on 127.0.0.1:`port`."""
 
-    def __init__(self, cache: Path, engines: dict[str, str], runtime: dict | None = None,
-                 max_body_bytes: int = MAX_BODY, target: str = "cpu",
-                 grpc_port: int | None = None, **server_args):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.metrics = ServerMetrics()
-        self.model = ServedModel(NAME, "1", cache, engines, runtime_with_defaults(runtime or RUNTIME),
-                                 self.metrics,
-                                 target=target)
-        self.server = InferenceServer([self.model], self.metrics,
-                                      max_body_bytes=max_body_bytes, **server_args)
-        self.url = self.call(self.server.start("127.0.0.1", 0, grpc_port))
-        self.port = urllib.parse.urlsplit(self.url).port
-
-    def call(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def wait_loaded(self) -> bool:
-        return self.call(self.server.wait_loaded())
-
-    def close(self) -> None:
-        self.call(self.server.shutdown(2.0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-    # -- a plain HTTP client over real sockets -------------------------------------------
+    def __init__(self, port: int):
+        self.port = port
 
     def request(self, method: str, path: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None, timeout: float = 20):
@@ -148,6 +126,117 @@ class ServerThread:
     def metric(self, name: str, **labels) -> float | None:
         _, _, text = self.get("/metrics")
         return metric_value(text, name, labels)
+
+
+class ServerThread(HttpClient):
+    """An InferenceServer on its own event loop in a thread, on a free port: one process,
+    what `kiln serve` runs on fewer than 3 CPUs."""
+
+    def __init__(self, cache: Path, engines: dict[str, str], runtime: dict | None = None,
+                 max_body_bytes: int = MAX_BODY, target: str = "cpu",
+                 grpc_port: int | None = None, **server_args):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.metrics = ServerMetrics()
+        self.model = ServedModel(NAME, "1", cache, engines, runtime_with_defaults(runtime or RUNTIME),
+                                 self.metrics,
+                                 target=target)
+        self.server = InferenceServer([self.model], self.metrics,
+                                      max_body_bytes=max_body_bytes, **server_args)
+        self.url = self.call(self.server.start("127.0.0.1", 0, grpc_port))
+        super().__init__(urllib.parse.urlsplit(self.url).port)
+
+    @property
+    def grpc_address(self) -> str | None:
+        return self.server.grpc_address
+
+    def call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_loaded(self) -> bool:
+        return self.call(self.server.wait_loaded())
+
+    def close(self) -> None:
+        self.call(self.server.shutdown(2.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class ServeProcess(HttpClient):
+    """`kiln serve` in the topology a pod with more than 2 CPUs runs: `workers` front-end
+    processes (HTTP) before `engine_processes` engine processes, forced by their flags
+    (on CI's 2 cores `kiln serve` would choose one process; `workers=1`: one process),
+    HTTP and gRPC on free loopback ports; Ready when constructed."""
+
+    def __init__(self, cache: Path, engines: dict[str, str], runtime: dict | None = None,
+                 max_body_bytes: int = MAX_BODY, workers: int = 2, engine_processes: int = 2,
+                 name: str = NAME, cwd: Path | None = None):
+        args = ["serve", "--model-name", name, "--cache-dir", str(cache),
+                *(f"--engine={target}={rel}" for target, rel in engines.items()),
+                "--runtime-spec", json.dumps(runtime or RUNTIME),
+                "--max-body-bytes", str(max_body_bytes), "--host", "127.0.0.1", "--port", "0",
+                "--grpc-port", "0", "--workers", str(workers),
+                "--engine-processes", str(engine_processes), "--drain-seconds", "5"]
+        self.process = KilnProcess(args, cwd or Path(cache).parent)
+        try:
+            listening = (r"front-end worker\(s\) on" if workers > 1 else "listening on")
+            super().__init__(int(self.process.wait_for(
+                listening + r" 127\.0\.0\.1:(\d+)", 60).group(1)))
+            self.grpc_address = "127.0.0.1:" + self.process.wait_for(
+                r"gRPC listening on 127\.0\.0\.1:(\d+)").group(1)
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._wait_ready(60)
+        except BaseException:
+            self.process.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.request("GET", "/v2/health/ready", timeout=5)[0] == 200:
+                    return
+            except OSError:
+                pass  # the front ends are not listening yet
+            assert time.monotonic() < deadline, "\n".join(self.process.lines)
+            time.sleep(0.05)
+
+    def pids(self) -> list[int]:
+        """The engine's front-end and engine processes (its children), itself first."""
+        return [self.process.proc.pid, *children(self.process.proc.pid)]
+
+    def close(self) -> None:
+        self.process.stop()
+
+
+# What a door test runs on: the single process, and front ends before two engine processes.
+TOPOLOGIES = ("one process", "front ends + 2 engines")
+
+
+def serve_in(topology: str, cache: Path, engines: dict[str, str], runtime: dict | None = None,
+             max_body_bytes: int = MAX_BODY) -> ServerThread | ServeProcess:
+    """A ready server in `topology` (one of TOPOLOGIES), gRPC on too."""
+    if topology == TOPOLOGIES[0]:
+        server = ServerThread(cache, engines, runtime, max_body_bytes, grpc_port=0)
+        assert server.wait_loaded(), server.model.status_message()
+        return server
+    return ServeProcess(cache, engines, runtime, max_body_bytes)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (multiprocessing's resource tracker among them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
 
 
 def json_inputs(inputs: dict[str, np.ndarray]) -> list[dict]:

@@ -41,7 +41,7 @@ from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.serving.dataplane import Dataplane
 from kiln.runtime.serving.model import Model
 from kiln.runtime.serving.tensors import shown
-from kiln.runtime.serving.refusals import Kind, Refusal, cut
+from kiln.runtime.serving.refusals import Kind, Refusal, cut, internal_error
 from kiln.runtime.serving.refusals import invalid as bad_request
 
 log = logging.getLogger("kiln.runtime.grpc")
@@ -89,7 +89,12 @@ def _parsing(handler: Callable[[Any, Any], Awaitable[Any]], message_type: Any
                                 f"the message is not a valid {name}: protobuf cannot parse its "
                                 f"{len(data)} bytes (malformed, cut short, or a string that is "
                                 f"not UTF-8)")  # raises: the call ends here
-        return await handler(request, context)
+        try:
+            return await handler(request, context)
+        except grpc.aio.AbortError:
+            raise  # a refusal, answered
+        except Exception:  # a bug: INTERNAL with a request id, not gRPC's "Unexpected <exception>"
+            await _abort(context, internal_error(log, f"gRPC {handler.__name__}"))
 
     return parse_then_handle
 

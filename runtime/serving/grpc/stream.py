@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kiln.runtime.serving.grpc import grpc_service_pb2 as pb
-from kiln.runtime.serving.refusals import Refusal, cut
+from kiln.runtime.serving.refusals import Refusal, cut, internal_error
 from kiln.runtime.serving.sequences.params import names_sequence
 
 log = logging.getLogger("kiln.runtime.grpc")
@@ -173,9 +173,9 @@ class _Stream:
             answer = pb.ModelStreamInferResponse(infer_response=response)
         except Refusal as e:
             answer = refused(request, e.message)
-        except Exception:  # a bug: logged, answered, and the stream goes on
-            log.exception("gRPC stream: request %r failed", request.id)
-            answer = refused(request, "the server failed on this request; see its log")
+        except Exception:  # a bug: logged, answered with a request id, and the stream goes on
+            answer = refused(request, internal_error(
+                log, f"gRPC stream request {request.id[:64]!r}").message)
         self._answers.put_nowait(answer)
 
     async def _idle_or(self, reader: asyncio.Task) -> None:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import multiprocessing
+import os
+import signal
+import sys
 from typing import Any, Callable
 
 from aiohttp import web
@@ -89,9 +93,11 @@ async def write_chunked(request: web.Request, payload: bytes, headers: dict[str,
 class JsonWorker:
     """A worker process for JSON too large to decode or encode on the event loop.
 
-    Started on first use; one at a time decodes (bounding the memory a burst of large
-    JSON bodies can take), a few wait, and `full` lets the server refuse the rest before
-    reading their bodies. A worker that dies (killed for memory) is replaced on next use.
+    Started on first use, by whichever process serves HTTP: the single process, or each
+    front end (workers.supervisor). One at a time decodes (bounding the memory a burst of
+    large JSON bodies can take: per serving process), a few wait, and `full` lets the
+    server refuse the rest before reading their bodies. A worker that dies (killed for
+    memory) is replaced on next use; one whose server dies dies with it (`_bind_to`).
     """
 
     def __init__(self, waiting: int = _OFFLOAD_WAITING):
@@ -108,7 +114,8 @@ class JsonWorker:
             # spawn, not fork: the server has threads (the backend's, the loop's) that a
             # forked child would inherit in whatever state they were.
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn"))
+                1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_bind_to, initargs=(os.getpid(),))
         pool = self._pool
         self._pending += 1
         try:
@@ -126,3 +133,18 @@ class JsonWorker:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _bind_to(server_pid: int) -> None:
+    """In the JSON worker, first: ignore SIGINT (a Ctrl-C reaches the whole process group;
+    the server decides when its worker stops) and, on Linux, be killed when the server
+    process dies, so a front end killed for memory leaves no orphan holding a body. (The
+    kernel sends it when the thread that started the worker ends: the event loop's.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != server_pid:  # it died before the line above
+        os._exit(0)

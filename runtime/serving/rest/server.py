@@ -45,7 +45,7 @@ from kiln.runtime.serving.dataplane import Dataplane
 from kiln.runtime.serving.model import Model
 from kiln.runtime.serving.protocol import HEADER_LENGTH
 from kiln.runtime.serving.refusals import (NOT_READY_RETRY_AFTER, Kind, ModelUnavailable, Refusal,
-                                           cut, overloaded)
+                                           cut, internal_error, overloaded)
 from kiln.runtime.serving.rest.body import (IO_CHUNK_BYTES, OFFLOAD_JSON_BYTES,
                                             OFFLOAD_JSON_ELEMENTS, JsonWorker, read_body, too_big,
                                             write_chunked)
@@ -107,9 +107,8 @@ async def _errors(request: web.Request, handler):
                                                   if k in ("Allow", "Retry-After")})
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise
-    except Exception as e:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, f"internal error: {e}")
+    except Exception:
+        return refusal_response(internal_error(log, f"{request.method} {request.path}"))
 
 
 class RestServer:

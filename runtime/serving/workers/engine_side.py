@@ -154,9 +154,8 @@ class _EngineSide:
             self.tasks[rid] = asyncio.create_task(self._send_metrics(rid))  # cancelled with the link
             self.tasks[rid].add_done_callback(lambda _: self.tasks.pop(rid, None))
         elif kind == "hello":
-            # Attached, not created: the segment is the front end's, which unlinks it. (Both use
-            # one resource tracker, started by this process, which unlinks what a front end
-            # that died leaves behind once the last of them exits.)
+            # Attached, not created: the segment is the front end's, which unlinks it as it
+            # stops; one that dies cannot, and `_on_lost` does it for it.
             self.shm = Segment(name=message[1])
             self.arena = np.frombuffer(self.shm.buf, np.uint8)
             self.hub._links.add(self)
@@ -190,6 +189,10 @@ class _EngineSide:
             task.cancel()
         shm, self.shm, self.arena = self.shm, None, None
         if shm is not None:
+            # The front end is gone: if it died (killed for memory), its 32 MiB segment would
+            # stay in the pod's memory-backed /dev/shm with each restart, until the pod stops.
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
             shm.close()
 
 

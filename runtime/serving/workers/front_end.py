@@ -168,9 +168,10 @@ class FrontEndConfig:
 
 def front_end_main(config: FrontEndConfig) -> None:
     """A front-end process: connect to the engine, serve HTTP until SIGTERM, drain, exit."""
-    from kiln.runtime.serving.process import configure_logging
+    from kiln.runtime.serving.process import configure_logging, may_start_processes
 
     configure_logging(config.log_level)
+    may_start_processes()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when to stop
     run_event_loop(_serve_front_end(config), config.event_loop)
 
