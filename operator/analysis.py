@@ -2,7 +2,8 @@
 
 Built-in checks read Kiln's own runtime metrics, tied to a track by the engine key its pods
 serve (`kiln_model_info{engine_key}` joined on namespace and pod): the canary's error ratio
-(`maxErrorRatio`), and its p99 latency against the stable side's (`maxLatencyRatio`).
+(`maxErrorRatio`), its share of requests refused as bad against the stable side's
+(`maxRefusedRatioIncrease`), and its p99 latency against the stable side's (`maxLatencyRatio`).
 User checks are PromQL with `min`/`max` bounds; `{{model}}`, `{{namespace}}`, `{{version}}`
 and `{{engineKey}}` are filled in. No data (an empty answer, NaN) is inconclusive, never a
 pass; a Prometheus that does not answer is an error: the rollout waits, it does not promote.
@@ -49,6 +50,18 @@ def builtin_checks(analysis: Mapping[str, Any], ns: str, model: str, canary_key:
         errors = f'sum(rate(kiln_requests_total{{{sel}, outcome=~"error|unavailable"}}[{WINDOW}]) {_track(ns, model, canary_key)})'
         total = f'sum(rate(kiln_requests_total{{{sel}}}[{WINDOW}]) {_track(ns, model, canary_key)})'
         checks.append(Check("error-ratio", f"({errors} or vector(0)) / {total}", max=float(analysis["maxErrorRatio"])))
+    if analysis.get("maxRefusedRatioIncrease") is not None:
+        # Whose mistake a refused input is cannot be read from one side: the same traffic
+        # reaches both tracks (weights, replica ratio, or the shadow step's copies of what the
+        # stable side answered), so the canary refusing more of it than the stable side is
+        # the canary's failure, and inputs both refuse cancel out.
+        def refused(key: str) -> str:
+            bad = (f'sum(rate(kiln_requests_total{{{sel}, outcome=~"bad_request|refused"}}[{WINDOW}]) '
+                   f'{_track(ns, model, key)})')
+            every = f'sum(rate(kiln_requests_total{{{sel}}}[{WINDOW}]) {_track(ns, model, key)})'
+            return f"(({bad} or vector(0)) / {every})"
+        checks.append(Check("refused-ratio-increase", f"{refused(canary_key)} - {refused(stable_key)}",
+                            max=float(analysis["maxRefusedRatioIncrease"])))
     if analysis.get("maxLatencyRatio") is not None:
         def p99(key: str) -> str:
             return (f'histogram_quantile(0.99, sum by (le) (rate(kiln_request_duration_seconds_bucket{{{sel}}}'

@@ -50,7 +50,7 @@ log = logging.getLogger("kiln.runtime.serving.dataplane")
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 # kiln_requests_total's outcomes (the scheduler counts "cancelled" inside it).
-OUTCOMES = ("success", "bad_request", "overloaded", "unavailable", "error", "cancelled")
+OUTCOMES = ("success", "bad_request", "refused", "overloaded", "unavailable", "error", "cancelled")
 SHUTTING_DOWN = "the server is shutting down"
 
 

@@ -29,7 +29,8 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter(
             "kiln_requests", "Inference requests by outcome "
-            "(success, bad_request, overloaded, unavailable, error, cancelled).",
+            "(success, bad_request, refused: the engine refused the inputs, overloaded, unavailable, "
+            "error, cancelled).",
             ["model", "outcome"], registry=r)
         self.request_seconds = Histogram(
             "kiln_request_duration_seconds", "Inference request latency, receipt to response.",

@@ -13,7 +13,8 @@ import enum
 import logging
 import secrets
 
-from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
+from kiln.runtime.serving.scheduling.errors import (ExecutionFailed, InputsRefused, InvalidBatch, Overloaded,
+                                                    ShuttingDown)
 
 # Retry-After (seconds) while a model loads, is unhealthy, or the server drains.
 NOT_READY_RETRY_AFTER = 5
@@ -23,6 +24,7 @@ _MAX_ERROR_CHARS = 1024
 
 class Kind(enum.Enum):
     INVALID = "invalid"                # malformed, or does not fit the model
+    REFUSED = "refused"                # well formed, but the engine refused the inputs
     NOT_FOUND = "not_found"            # no such model, version or sequence
     CONFLICT = "conflict"              # a stored sequence state that does not fit the engine
     TOO_LARGE = "too_large"            # over a size bound, before it is read
@@ -34,7 +36,10 @@ class Kind(enum.Enum):
 
 
 # kiln_requests_total's outcome for each kind.
-OUTCOME = {Kind.INVALID: "bad_request", Kind.NOT_FOUND: "bad_request", Kind.CONFLICT: "bad_request",
+# "refused" is apart from "bad_request": an input the engine refuses may be the version's fault
+# (the stable version answers it), and the canary analysis compares the tracks' shares of both.
+OUTCOME = {Kind.INVALID: "bad_request", Kind.REFUSED: "refused", Kind.NOT_FOUND: "bad_request",
+           Kind.CONFLICT: "bad_request",
            Kind.TOO_LARGE: "bad_request", Kind.TIMEOUT: "bad_request",
            Kind.UNSUPPORTED_MEDIA: "bad_request", Kind.OVERLOADED: "overloaded",
            Kind.UNAVAILABLE: "unavailable", Kind.FAILED: "error"}
@@ -95,6 +100,8 @@ def overloaded(model: str, why: str, retry_after: float) -> Refusal:
 def scheduler_refusal(model: str, e: Exception) -> Refusal:
     """A scheduler's refusal (raised by `model`'s scheduler, or by the engine process's
     for a front end) as the Refusal every door answers."""
+    if isinstance(e, InputsRefused):
+        return Refusal(Kind.REFUSED, str(e))
     if isinstance(e, InvalidBatch):
         return Refusal(Kind.INVALID, str(e))
     if isinstance(e, ShuttingDown):

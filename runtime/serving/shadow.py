@@ -13,10 +13,12 @@ tasks post each copy to a canary pod (binary tensors, with a timeout) and compar
 costs only its copies.
 
 Counted, labelled with the canary's engine key (Prometheus; the operator's analysis reads them):
-    kiln_shadow_copies_total{outcome}           compared | error (the canary's status was not 200,
-                                                or its answer unreadable) | unavailable (no
+    kiln_shadow_copies_total{outcome}           compared | error (the canary answered 5xx, or
+                                                an unreadable answer) | unavailable (no
                                                 answer in time) | dropped (queue full)
-    kiln_shadow_comparisons_total{output, result}  agree | differ, per output
+    kiln_shadow_comparisons_total{output, result}  agree | differ, per output (a canary that
+                                                answered 4xx to a request the stable side
+                                                answered: compared, every output differs)
     kiln_shadow_abs_difference{output}          max |canary - stable| per comparison (histogram)
     kiln_shadow_rel_difference{output}          max |canary - stable| / |stable| (histogram)
     kiln_shadow_canary_duration_seconds         the copy's round trip (histogram)
@@ -270,10 +272,13 @@ class Shadow:
             self.metrics.shadow_canary_seconds.labels(model=self.model, canary=config.canary).observe(
                 self._clock() - started)
             try:
-                if status != 200:
+                if 400 <= status < 500:  # it refused what the stable side answered: nothing agrees
+                    canary = {}
+                elif status != 200:
                     raise ValueError(f"status {status}")
-                doc = protocol.decode_infer_response(answer, protocol.header_length(length_header, len(answer)))
-                canary = {o["name"]: o["data"] for o in doc.get("outputs") or ()}
+                else:
+                    doc = protocol.decode_infer_response(answer, protocol.header_length(length_header, len(answer)))
+                    canary = {o["name"]: o["data"] for o in doc.get("outputs") or ()}
             except Exception:  # a canary's bad answer is a failed copy, whatever is wrong with it
                 self._count(config, "error")
                 continue

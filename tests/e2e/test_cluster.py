@@ -26,7 +26,8 @@ from kiln.runtime.api import contract
 from support import snippets
 from support.localcluster import HELM, INSTALL_VALUES, RELEASE, RELEASE_NAMESPACE
 from support.localcluster.client import Api, ClientThreads, ServiceClients, dump, infer, pods, ready, service_endpoints, wait_for
-from support.versions import failing_on_real_inputs, save_version, slow_version, retrained_version, shifted_version
+from support.versions import (failing_on_real_inputs, refusing_real_inputs, retrained_version, save_version,
+                              shifted_version, slow_version)
 from support.localcluster.controlplane import A100, REPO, gateway_api_crds
 
 pytestmark = pytest.mark.e2e
@@ -876,6 +877,77 @@ def test_shadow_canaries_roll_back_a_failing_and_a_wrong_version_unseen_and_prom
     finally:
         prom.stop()
         discovery.stop()
+
+def test_a_version_that_refuses_real_inputs_is_rolled_back_with_and_without_the_shadow_step(
+        cluster, api, kubectl, namespace, transcript, tmp_path):
+    """Issue 34: a version whose engine refuses the real inputs the stable version answers
+    (ONNX Runtime's INVALID_ARGUMENT: a 400, not a 500) is rolled back at its first analysis,
+    on the share of requests it refuses against the stable side's; with a shadow step before
+    any client sees it. Clients also send 20% malformed requests, which every version refuses:
+    a version refusing only those is promoted."""
+    from support import monitoring
+    from support.localcluster import PROMETHEUS_PORT
+
+    if monitoring.unavailable():
+        pytest.skip(monitoring.unavailable())
+    import time
+
+    transcript.section("A version that refuses real inputs: rolled back, with and without a shadow step")
+    models = demo_models(cluster, api, namespace)
+    analysis = {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": 0.05, "maxLatencyRatio": 5,
+                "agreement": None}
+    weighted = {"strategy": "Canary", "steps": [{"weight": 50, "pauseSeconds": 10}], "analysis": analysis}
+    shadowed = {**SHADOW_ROLLOUT, "analysis": {**analysis, "agreement": {"minSamples": 10}}}
+    apply = lambda version, path, rollout: kubectl("apply", "-f", "-", input=json.dumps(  # noqa: E731
+        iris(namespace, version, sha256(path), replicas=2, rollout=rollout)))
+    status = lambda: api.status(namespace, "iris")  # noqa: E731
+    canary_pods = lambda: [p for p in runtime_pods(api, namespace)  # noqa: E731
+                           if p["metadata"]["labels"].get(contract.LABEL_TRACK) == "canary"]
+    apply("1", model_version(models, "1"), weighted)
+    wait_for(lambda: status().get("phase") == "Ready", 180, "version 1 Ready")
+    discovery = pod_discovery(cluster, namespace)
+    prom = monitoring.Prometheus(tmp_path / "prom", scrape_configs=[monitoring.pod_http_sd_scrape_config(discovery.url)])
+    prom.port = PROMETHEUS_PORT
+    try:
+        prom.start()
+        with ServiceClients(api, namespace, malformed=0.2) as clients:
+            prom.wait_for(f'kiln_requests_total{{namespace="{namespace}", outcome="bad_request"}}', timeout=60)
+            good_key = status()["engineKey"]
+
+            # No shadow step: the canary takes half the traffic, refuses it, and the first
+            # analysis rolls it back (before issue 34, "every step passed" and it was promoted).
+            apply("2", refusing_real_inputs(models, "2"), weighted)
+            st = wait_for(lambda: (status().get("rollback") or {}).get("version") == "2" and status(), 240,
+                          "version 2 rolled back")
+            assert "refused-ratio-increase" in st["rollback"]["reason"] and st["rollback"]["step"] == 0, st["rollback"]
+            assert st["engineKey"] == good_key and st["stable"]["version"] == "1"
+            seen = {code for code, _ in clients.failures}
+            assert seen <= {400}, clients.failures[:5]  # what clients of the canary saw meanwhile
+            wait_for(lambda: not canary_pods(), 60, "the canary's pods gone")
+            time.sleep(1.5)  # the clients' view of the Service's pods is half a second old
+            refused_unseen = len(clients.failures)
+
+            # With a shadow step: the copies of what the stable side answered are refused, and it
+            # is rolled back at step 0, before any client reaches it.
+            apply("3", refusing_real_inputs(models, "3"), shadowed)
+            st = wait_for(lambda: (status().get("rollback") or {}).get("version") == "3" and status(), 240,
+                          "version 3 rolled back")
+            assert st["rollback"]["step"] == 0 and "refused-ratio-increase" in st["rollback"]["reason"], st["rollback"]
+            assert len(clients.failures) == refused_unseen, clients.failures[refused_unseen:][:5]
+            wait_for(lambda: not canary_pods(), 60, "the canary's pods gone")
+
+            # A version that refuses only what both refuse (the malformed 20%): promoted.
+            apply("4", retrained_version(models, "4"), weighted)
+            wait_for(lambda: status().get("stable", {}).get("version") == "4" and not status().get("canary"), 240,
+                     "version 4 promoted")
+            assert len(clients.failures) == refused_unseen, clients.failures[refused_unseen:][:5]
+            assert set(clients.refused) == {400} and len(clients.refused) > 20, clients.refused[:5]
+        kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceModel",
+                "-o", "custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message", show=True)
+    finally:
+        prom.stop()
+        discovery.stop()
+
 
 def with_samples(model: dict, **warmup) -> dict:
     model["spec"]["runtime"]["warmup"] = warmup

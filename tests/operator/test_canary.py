@@ -166,13 +166,14 @@ def test_combine(values, result):
 
 
 def test_builtin_and_user_checks_are_built_from_the_spec():
-    spec = {"maxErrorRatio": 0.05, "maxLatencyRatio": 1.5,
+    spec = {"maxErrorRatio": 0.05, "maxRefusedRatioIncrease": 0.05, "maxLatencyRatio": 1.5,
             "metrics": [{"name": "gpu", "query": 'x{model="{{model}}",ns="{{namespace}}",v="{{version}}"}', "max": 1}]}
     names = [c.name for c in an.builtin_checks(spec, "ns", "m", "k2", "k1")]
-    assert names == ["error-ratio", "latency-p99-ratio"]
+    assert names == ["error-ratio", "refused-ratio-increase", "latency-p99-ratio"]
     [user] = an.user_checks(spec, "ns", "m", "2", "k2")
     assert user.query == 'x{model="m",ns="ns",v="2"}' and user.max == 1
-    assert an.builtin_checks({"maxErrorRatio": None, "maxLatencyRatio": None}, "ns", "m", "k2", "k1") == []
+    assert an.builtin_checks({"maxErrorRatio": None, "maxRefusedRatioIncrease": None, "maxLatencyRatio": None},
+                             "ns", "m", "k2", "k1") == []
 
 
 def test_a_shadow_step_comes_first_at_weight_zero_then_the_weighted_steps():

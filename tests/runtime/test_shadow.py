@@ -214,3 +214,41 @@ def test_a_hostile_config_copies_nothing_and_serves_on(built, tmp_path):
         assert "kiln_shadow_copies_total{" not in stable.get("/metrics")[2]
     finally:
         stable.close()
+
+
+def smaller_embedding(model_bytes: bytes, rows: int) -> bytes:
+    """The test model with only the first `rows` rows of its embedding: a version whose engine
+    refuses (INVALID_ARGUMENT, a 400) the token ids the stable version answers."""
+    model = onnx.load_from_string(model_bytes)
+    for i, init in enumerate(model.graph.initializer):
+        if init.name == "E":
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init)[:rows], "E"))
+    return model.SerializeToString()
+
+
+def test_a_canary_that_refuses_what_the_stable_side_answered_disagrees_on_every_output(built, tmp_path):
+    """Issue 34: the canary's 400 to a request the stable side answered 200 is its failure,
+    compared and counted as every output differing, not a failed copy the analysis ignores."""
+    refusing = build_cpu_engine(built.cache.parent, NAME, smaller_embedding(built.onnx, 5))
+    stable = ServerThread(built.cache, {"cpu": built.rel})
+    canary = ServerThread(built.cache, {"cpu": refusing})
+    path = tmp_path / "shadow.json"
+    try:
+        assert stable.wait_loaded() and canary.wait_loaded()
+        stable.model.shadow = Shadow(str(path), NAME, stable.metrics, clock=time.monotonic)
+        path.write_text(json.dumps({"model": NAME, "canaryEngineKey": "refusing", "targets": [f"127.0.0.1:{canary.port}"],
+                                    "percent": 100, "maxRequestsPerSecond": 1000, "timeoutSeconds": 5}))
+        for seed in range(10):
+            inputs = sample(1, seed)
+            inputs["token_ids"][:] = 7  # outside the canary's 5 rows, inside the stable's 10
+            assert stable.infer({"inputs": json_inputs(inputs)})[0] == 200
+        m = lambda name, **labels: stable.metric(name, model=NAME, canary="refusing", **labels) or 0  # noqa: E731
+        until(lambda: m("kiln_shadow_copies_total", outcome="compared") == 10)
+        for output in ("scores", "label", "pooled"):
+            assert m("kiln_shadow_comparisons_total", output=output, result="differ") == 10, output
+            assert m("kiln_shadow_comparisons_total", output=output, result="agree") == 0, output
+        assert m("kiln_shadow_copies_total", outcome="error") == 0
+        assert canary.metric("kiln_requests_total", model=NAME, outcome="refused") == 10
+    finally:
+        stable.close()
+        canary.close()

@@ -24,6 +24,7 @@ import pytest
 
 from kiln.runtime.serving.protocol import HEADER_LENGTH, decode_infer_response, encode_infer_request
 
+from support.metrics import wait_for_metric
 from support.serving import (NAME, TOPOLOGIES, Built, ServeProcess, ServerThread, assert_matches,
                              build_cpu_engine, children, json_inputs, neg_model, sample, serve_in)
 
@@ -128,11 +129,14 @@ def test_binary_tensors_in_and_out(server, built):
     assert_matches({o["name"]: o["data"] for o in answer["outputs"]}, built.expected(inputs))
 
 
-def test_inputs_the_engine_refuses_are_a_400(server):
+def test_inputs_the_engine_refuses_are_a_400_counted_as_refused(server):
     inputs = json_inputs(sample(1))
     inputs[1]["data"] = [0, 1, 99]  # an id outside the embedding: the engine refuses it
+    before = server.metric("kiln_requests_total", model=NAME, outcome="refused") or 0
     status, _, doc = server.infer({"inputs": inputs})
     assert status == 400 and doc["error"].startswith("ONNX Runtime refused the inputs: "), doc
+    wait_for_metric(server.url, "kiln_requests_total", {"model": NAME, "outcome": "refused"},
+                    lambda n: n == before + 1)
 
 
 def test_grpc_unary_and_stream(server, built):

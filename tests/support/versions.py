@@ -63,6 +63,38 @@ def failing_on_real_inputs(directory: Path, version: str) -> Path:
     return save_version(directory, version, change)
 
 
+def refusing_real_inputs(directory: Path, version: str) -> Path:
+    """A version that passes the warm-up, which sends zeros, and whose engine refuses real
+    inputs (ONNX Runtime's INVALID_ARGUMENT, a 400, not a 500): each row picks a row of a
+    4-row table by index 0 when its features are all zero, 7 otherwise (a Gather out of
+    range), and adds 0 x that row to the features."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def change(model) -> None:
+        g = model.graph
+        g.initializer.extend([numpy_helper.from_array(np.array([1.0], np.float32), "one_r"),
+                              numpy_helper.from_array(np.array([1], np.int64), "axis_r"),
+                              numpy_helper.from_array(np.array(7, np.int64), "seven_r"),
+                              numpy_helper.from_array(np.array(0.0, np.float32), "zero_r"),
+                              numpy_helper.from_array(np.zeros((4, 4), np.float32), "table_r")])
+        checks = [helper.make_node("Abs", ["features"], ["abs_r"]),
+                  helper.make_node("ReduceSum", ["abs_r", "axis_r"], ["sum_r"], keepdims=0),
+                  helper.make_node("Min", ["sum_r", "one_r"], ["any_r"]),
+                  helper.make_node("Ceil", ["any_r"], ["ceil_r"]),
+                  helper.make_node("Cast", ["ceil_r"], ["flag_r"], to=TensorProto.INT64),
+                  helper.make_node("Mul", ["flag_r", "seven_r"], ["index_r"]),
+                  helper.make_node("Gather", ["table_r", "index_r"], ["row_r"], axis=0),
+                  helper.make_node("Mul", ["row_r", "zero_r"], ["nothing_r"]),
+                  helper.make_node("Add", ["features", "nothing_r"], ["features_checked"])]
+        original = list(g.node)
+        for n in original:
+            n.input[:] = ["features_checked" if i == "features" else i for i in n.input]
+        del g.node[:]
+        g.node.extend(checks + original)
+
+    return save_version(directory, version, change)
+
+
 def shifted_version(directory: Path, version: str) -> Path:
     """A version that answers 200 with other numbers: the first class's bias moved by 5."""
     def change(model) -> None:

@@ -49,6 +49,7 @@ log = logging.getLogger("kiln.runtime.grpc")
 # The gRPC status code of each kind of refusal.
 CODES = {
     Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Kind.REFUSED: grpc.StatusCode.INVALID_ARGUMENT,
     Kind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Kind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Kind.CONFLICT: grpc.StatusCode.FAILED_PRECONDITION,  # a sequence's state is another engine's

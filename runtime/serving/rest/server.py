@@ -58,8 +58,8 @@ DEFAULT_BODY_TIMEOUT = 60.0
 # (text/plain, forms) without a CORS preflight, which Kiln does not answer.
 _LOCAL_CONTENT_TYPES = ("application/json", "application/octet-stream")
 # The HTTP status of each kind of refusal.
-HTTP_STATUS = {Kind.INVALID: 400, Kind.NOT_FOUND: 404, Kind.TIMEOUT: 408, Kind.CONFLICT: 409,
-               Kind.TOO_LARGE: 413, Kind.UNSUPPORTED_MEDIA: 415, Kind.OVERLOADED: 429,
+HTTP_STATUS = {Kind.INVALID: 400, Kind.REFUSED: 400, Kind.NOT_FOUND: 404, Kind.TIMEOUT: 408,
+               Kind.CONFLICT: 409, Kind.TOO_LARGE: 413, Kind.UNSUPPORTED_MEDIA: 415, Kind.OVERLOADED: 429,
                Kind.FAILED: 500, Kind.UNAVAILABLE: 503}
 
 

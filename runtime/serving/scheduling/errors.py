@@ -1,6 +1,6 @@
 """The errors a request can get from the scheduler, and what each transport answers:
-`InvalidBatch` -> 400 (also the engine refusing a request's inputs, which never counts
-toward health), `Overloaded` -> 429 with Retry-After (`ShuttingDown`, a subclass, while
+`InvalidBatch` -> 400 (`InputsRefused`, its kind: the engine refusing a request's inputs,
+which never counts toward the replica's health but is counted apart, outcome "refused"), `Overloaded` -> 429 with Retry-After (`ShuttingDown`, a subclass, while
 draining), `ExecutionFailed` -> 500."""
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ class ShuttingDown(Overloaded):
 
 class InvalidBatch(SchedulerError):
     """The request's own batch cannot run: answer 400."""
+
+
+class InputsRefused(InvalidBatch):
+    """The engine refused the request's inputs (ONNX Runtime's INVALID_ARGUMENT, such as an
+    index outside an embedding): answer 400. Whose mistake that is the engine cannot say (the
+    same input may be answered by the stable version), so it is counted apart from requests
+    malformed on arrival."""
 
 
 class ExecutionFailed(SchedulerError):

@@ -28,7 +28,8 @@ from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.scheduling import batching
 from kiln.runtime.engine.backends.base import InvalidInputError, LoadedEngine
 from kiln.runtime.serving.metrics import ServerMetrics
-from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InvalidBatch, Overloaded, ShuttingDown
+from kiln.runtime.serving.scheduling.errors import (ExecutionFailed, InputsRefused, InvalidBatch, Overloaded,
+                                                    ShuttingDown)
 from kiln.runtime.serving.scheduling.pool import ContextPool, ExecutionError, Slot
 from kiln.runtime.serving.scheduling.resultcache import ResultCacheConfig
 from kiln.runtime.serving.scheduling.resultlevels import result_levels
@@ -396,7 +397,7 @@ class Scheduler:
             result = await self.pool.run(slot, inputs)
         except InvalidInputError as e:
             if len(batch) == 1:
-                self._fail(batch[0], InvalidBatch(str(e)))
+                self._fail(batch[0], InputsRefused(str(e)))
                 return
             # One request's data refused fails the whole batch: each runs alone, so only
             # its own sender hears of it.

@@ -128,11 +128,16 @@ class ServiceClients(ClientThreads):
     every half second (the harness has no kube-proxy; its pod IPs are in no EndpointSlice).
     Every answer that is not 200 is kept."""
 
-    def __init__(self, api, namespace: str, service: str = "iris", threads: int = 4) -> None:
+    def __init__(self, api, namespace: str, service: str = "iris", threads: int = 4,
+                 malformed: float = 0.0) -> None:
+        """`malformed`: the share of requests sent with 3 features a row instead of 4, which
+        every version refuses (400); their answers are kept apart, in `refused`."""
         super().__init__([(self._send, (i,)) for i in range(threads)] + [(self._resolve, ())])
         self.api, self.namespace, self.service, self.targets = api, namespace, service, []
+        self.malformed = malformed
         self.latencies: list[float] = []  # of every 200, in order
         self.failures: list[tuple[int, Any]] = []  # (status, or 0 for no answer; what came back)
+        self.refused: list[int] = []  # the statuses answered to the malformed requests
 
     def _resolve(self) -> None:
         while not self.stop_flag.is_set():
@@ -156,11 +161,18 @@ class ServiceClients(ClientThreads):
                 continue
             turn += 1
             rows = (rng.uniform([4.3, 2.0, 1.0, 0.1], [7.9, 4.4, 6.9, 2.5], (8, 4))).round(1).tolist()
+            bad = rng.random() < self.malformed
             try:
                 started = time.monotonic()
-                infer(targets[turn % len(targets)], rows)
-                self.latencies.append(time.monotonic() - started)
+                infer(targets[turn % len(targets)], [r[:3] for r in rows] if bad else rows)
+                if bad:
+                    self.failures.append((200, "a malformed request was answered"))
+                else:
+                    self.latencies.append(time.monotonic() - started)
             except urllib.error.HTTPError as e:
-                self.failures.append((e.code, e.read()[:200]))
+                if bad:
+                    self.refused.append(e.code)
+                else:
+                    self.failures.append((e.code, e.read()[:200]))
             except OSError as e:
                 self.failures.append((0, str(e)))
