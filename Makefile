@@ -55,14 +55,19 @@ redis:
 			apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }; }
 	@redis-server --version | head -1
 
-# The chart's autoscaling rules rendered with default values, for a Prometheus without the
+# The chart's autoscaling and request-outcome rules rendered with default values, for a Prometheus without the
 # operator; tests/chart fails when this file and the chart's template differ.
 RULES_FILE := charts/kiln/files/kiln-autoscaling.rules.yaml
+REQUEST_RULES_FILE := charts/kiln/files/kiln-requests.rules.yaml
 rules: $(BIN)/.deps $(HELM)
 	$(HELM) template kiln charts/kiln --show-only templates/autoscaling-rules.yaml \
 		--set autoscaling.rulesConfigMap.enabled=true \
 		| $(BIN)/python -c "import sys, yaml; sys.stdout.write(yaml.safe_load(sys.stdin)['data']['kiln-autoscaling.rules.yaml'])" \
 		> $(RULES_FILE)
+	$(HELM) template kiln charts/kiln --show-only templates/request-rules.yaml \
+		--set monitoring.requestRules.rulesConfigMap.enabled=true \
+		| $(BIN)/python -c "import sys, yaml; sys.stdout.write(yaml.safe_load(sys.stdin)['data']['kiln-requests.rules.yaml'])" \
+		> $(REQUEST_RULES_FILE)
 
 # The real control plane (kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok),
 # built from upstream Go modules into .tools/<name>-<version>/ once, and the Gateway API CRDs

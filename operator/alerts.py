@@ -10,7 +10,7 @@ payload delivered twice, or by several Alertmanager replicas, changes the record
 Alerts are mapped to InferenceModels by their `namespace` and `model` labels; an unknown
 model is counted and logged, then ignored. The receiver decides nothing: writing the record
 wakes the model, and the scaling step (`scaling.py`) decides - on whichever operator replica
-leads, since any replica may receive. `GET /metrics` serves the operator's metrics.
+leads, since any replica may receive; KilnRequestsRefused the serving step only reports. `GET /metrics` serves the operator's metrics.
 
 The labels are the client's words in an API path, so the receiver writes only where they
 name an InferenceModel: an alert whose labels are no valid namespace and name (`../`, `?`,

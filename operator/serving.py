@@ -14,6 +14,12 @@ that Deployment records the budget's hash, so an unchanged budget costs no API c
 a track's replicas go down, each of its Ready pods gets its load as its
 `controller.kubernetes.io/pod-deletion-cost` (read from the pod's own /metrics at that
 moment), so the ReplicaSet controller removes the idlest pod.
+
+`Degraded` also says what the model's clients see: while KilnRequestsRefused (most of its
+requests refused; the alert receiver records it, `signals.py`) is active, `Degraded` is True
+with reason RequestsRefused and a Warning Event says so as it turns; it clears when the
+alert resolves or goes stale (`--signal-ttl-seconds`: the step looks again then). A report
+only: nothing scales, rolls back or changes on it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import aiohttp
 
 from kiln.operator import activation, manifests, observations, warmup
 from kiln.operator import conditions as cond
+from kiln.operator import signals as sig
 from kiln.operator.kube import ApiError
 from kiln.operator.rollout import Track, Tracks
 from kiln.operator.steps import Condition, Event, Owns, Pass, StepResult
@@ -62,11 +69,14 @@ async def step(p: Pass) -> StepResult:
     await activation.route(p, seen.ready + seen_canary.ready)  # at zero, the Service goes to the activator
     failed = any(o.state == "Failed" for o in p.out["engines"])
     warmup_failed = None if p.invalid is not None else await warmup.failure(p, dep)
+    now, ttl = p.ctx.clock(), p.ctx.config.signal_ttl_seconds
+    refused = requests_refused(p.model, now, ttl)
     conditions = {"Available": available(seen, p.invalid is not None, waiting=tracks.stable is None and not seen.exists,
                                          warmup_failed=warmup_failed),
                   "Degraded": degraded(seen, p.invalid, failed, current=tracks.stable is not None,
                                        rolled_back=tracks.rolled_back,
-                                       scaling_up_from=p.out["scaling"].scaling_up_from, warmup_failed=warmup_failed)}
+                                       scaling_up_from=p.out["scaling"].scaling_up_from, warmup_failed=warmup_failed,
+                                       refused=refused)}
     status = {"replicas": seen.replicas + seen_canary.replicas, "readyReplicas": seen.ready + seen_canary.ready,
               "selector": f"{contract.LABEL_MODEL}={p.name}"}
     starting = tracks.stable is not None and (not seen.rolled_out or (seen.desired > 0 and seen.ready == 0))
@@ -74,12 +84,34 @@ async def step(p: Pass) -> StepResult:
     before = p.previous_condition("Degraded")
     if warmup_failed and (before.get("reason"), before.get("message")) != conditions["Degraded"][1:]:
         told.append(("Warning", WARMUP_FAILED, conditions["Degraded"][2]))  # once per distinct message
-    return StepResult(conditions=conditions, status=status, waiting=starting, events=told)  # InvalidSpec tells
+    if conditions["Degraded"][1] == REQUESTS_REFUSED and before.get("reason") != REQUESTS_REFUSED:
+        told.append(("Warning", REQUESTS_REFUSED, conditions["Degraded"][2]))  # once as it turns, not per new share
+    # A firing alert that Alertmanager stops repeating goes stale with no event to say so: look again then.
+    stale_in = None if refused is None else max(ttl - (now - refused.seen).total_seconds(), 0.0) + 1.0
+    return StepResult(conditions=conditions, status=status, waiting=starting, events=told,  # InvalidSpec tells
+                      wake_after=stale_in)
 
 
 # ------------------------------------------------------------------------ pure
 
 WARMUP_FAILED = "WarmupFailed"
+REQUESTS_REFUSED = "RequestsRefused"
+
+
+def requests_refused(model: Mapping[str, Any], now: Any, ttl: float) -> sig.Signal | None:
+    """The model's KilnRequestsRefused alert, when it is active (firing, and heard of within `ttl`)."""
+    signal = sig.parse((model.get("metadata") or {}).get("annotations")).get(sig.REFUSED)
+    return signal if signal is not None and signal.active(now, ttl) else None
+
+
+def refused_message(signal: sig.Signal) -> str:
+    """In words, with the share the alert saw; a share that is none (the value annotation is
+    the receiver's client's word) is not repeated."""
+    share = signal.value
+    said = f"{share:.0%} of" if share is not None and 0.0 <= share <= 1.0 else "most of"
+    return (f"{said} the model's recent requests were refused (outcome bad_request or refused; {sig.REFUSED} "
+            f"firing since {sig.format_time(signal.starts_at)}): the clients' inputs do not fit the model, "
+            f"or this version refuses them")
 
 
 def available(seen: observations.DeploymentObservation, invalid: bool, waiting: bool,
@@ -102,13 +134,15 @@ def available(seen: observations.DeploymentObservation, invalid: bool, waiting: 
 
 def degraded(seen: observations.DeploymentObservation, invalid: str | None, failed: bool, current: bool,
              rolled_back: Mapping[str, Any] | None = None, scaling_up_from: int | None = None,
-             warmup_failed: str | None = None) -> Condition:
+             warmup_failed: str | None = None, refused: sig.Signal | None = None) -> Condition:
     serving = seen.exists and seen.ready > 0
     if invalid is not None:
         return (True, "InvalidSpec", invalid)
     if warmup_failed:
         return (True, WARMUP_FAILED, f"the new pods fail their warm-up samples and never become Ready "
                                      f"({seen.ready}/{seen.desired} ready): {warmup_failed}")
+    if refused is not None:  # what every client sees now, before how the rollout or the replicas stand
+        return (True, REQUESTS_REFUSED, refused_message(refused))
     if rolled_back:
         return (True, "RolledBack", f"version {rolled_back.get('version')} was rolled back: {rolled_back.get('reason')}; "
                 f"engine {seen.engine_key} serves")

@@ -1,7 +1,8 @@
-"""Scaling signals: what Alertmanager said about a model, as the receiver records it.
+"""Signals: what Alertmanager said about a model, as the receiver records it.
 
 The receiver (`alerts.py`) keeps, per InferenceModel, the latest state of each of Kiln's
-alerts in one annotation (`ANN_SIGNALS`, JSON); the scaling step reads it. Living in the
+alerts in one annotation (`ANN_SIGNALS`, JSON); the scaling step reads the scaling ones, the
+serving step KilnRequestsRefused. Living in the
 object, the record survives an operator restart, reaches whichever replica leads, and wakes
 the model through its watch (kopf's update handler on that annotation).
 
@@ -29,7 +30,10 @@ UP = (HIGH, SURGE)
 ALERTS = (HIGH, SURGE, LOW, MISSING)  # the utilization rules (files/kiln-autoscaling.rules.yaml)
 # No requests at all (files/kiln-idle.rules.yaml): with minReplicas 0, the way to zero.
 IDLE = "KilnModelIdle"
-RECEIVED = ALERTS + (IDLE,)  # every alert the receiver records
+# Most of a model's requests refused, bad_request or refused (the chart's templates/_requests.tpl):
+# no scaling signal but the model's health, which the serving step reports (Degraded) and acts on never.
+REFUSED = "KilnRequestsRefused"
+RECEIVED = ALERTS + (IDLE, REFUSED)  # every alert the receiver records
 FIRING, RESOLVED = "firing", "resolved"
 
 # A repeat of an unchanged alert refreshes `seen` (fresh evidence for the next step) at most
@@ -60,7 +64,7 @@ class Signal:
     starts_at: datetime.datetime  # when Prometheus started firing this episode
     seen: datetime.datetime  # when a delivery last said so (refreshed at most every REFRESH_SECONDS)
     fingerprint: str = ""
-    value: float | None = None  # the utilization ratio the rule saw (the `value` annotation)
+    value: float | None = None  # what the rule saw (the `value` annotation): a utilization or refused share
 
     def active(self, now: datetime.datetime, ttl: float) -> bool:
         """Firing, and heard of recently enough to trust (no word within `ttl`: hold)."""

@@ -47,6 +47,8 @@ RULES_KEY = "kiln-autoscaling.rules.yaml"
 CACHE_RULES_FILE = CHART / "files" / "kiln-cache.rules.yaml"
 CACHE_RULES_KEY = "kiln-cache.rules.yaml"
 IDLE_RULES_FILE = CHART / "files" / "kiln-idle.rules.yaml"  # tests/chart/test_chart_scale_to_zero.py
+REQUEST_RULES_FILE = CHART / "files" / "kiln-requests.rules.yaml"
+REQUEST_RULES_KEY = "kiln-requests.rules.yaml"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -431,7 +433,8 @@ def test_monitoring_objects_need_their_api_and_their_switch():
     assert {o["kind"] for o in render(scenario("default"))} & kinds == set()
     assert {o["kind"] for o in render(scenario("default"), api_versions=MONITORING_APIS)} >= kinds
     off = ("--set", "autoscaling.prometheusRule.enabled=false", "--set", "monitoring.serviceMonitor.enabled=false",
-           "--set", "monitoring.podMonitor.enabled=false", "--set", "monitoring.cacheRules.prometheusRule.enabled=false")
+           "--set", "monitoring.podMonitor.enabled=false", "--set", "monitoring.cacheRules.prometheusRule.enabled=false",
+           "--set", "monitoring.requestRules.prometheusRule.enabled=false")
     assert {o["kind"] for o in render(scenario("default"), extra=off, api_versions=MONITORING_APIS)} & kinds == set()
     # The operator's /metrics is served by the receiver: without it, nothing to monitor.
     objs = render(scenario("no-receiver"), api_versions=MONITORING_APIS)
@@ -581,6 +584,7 @@ RULE_TESTS = {
     "dcgm_engine_active_test.yaml": ("autoscaling.rules.gpuUtilizationMetric=DCGM_FI_PROF_GR_ENGINE_ACTIVE",),
     "cache_filling_test.yaml": (),  # the engine cache's rules (kiln-cache.rules.yaml), shipped as they are
     "model_idle_test.yaml": (),  # the scale-to-zero rule (kiln-idle.rules.yaml), shipped as it is
+    "requests_refused_test.yaml": (),  # the request-outcome rule (kiln-requests.rules.yaml, default values)
     "surge_test.yaml": (),
 }
 RULE_VARIANTS = {"default": (), "short-windows": SHORT_WINDOWS, **{
@@ -707,6 +711,7 @@ def test_promtool_rules_unit_tests(tmp_path, test_file):
     (tmp_path / RULES_KEY).write_text(rules_text(*sets) if sets else RULES_FILE.read_text())
     shutil.copy(CACHE_RULES_FILE, tmp_path / CACHE_RULES_KEY)
     shutil.copy(IDLE_RULES_FILE, tmp_path / IDLE_RULES_FILE.name)
+    shutil.copy(REQUEST_RULES_FILE, tmp_path / REQUEST_RULES_KEY)
     shutil.copy(ROOT / "tests" / "chart" / "rules" / test_file, tmp_path / test_file)
     out = promtool("test", "rules", test_file, cwd=tmp_path)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
@@ -792,6 +797,103 @@ def test_promtool_cache_unit_tests_can_fail(tmp_path, broken):
     out = promtool("test", "rules", "cache_filling_test.yaml", cwd=tmp_path)
     claim = {"< 0": "kiln-engine-cache", "> 0.85": "archive"}[broken]
     assert out.returncode != 0 and f"claim=\"{claim}\"" in out.stderr, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ request-outcome rules
+
+REFUSED_OUTCOMES = 'outcome=~"bad_request|refused"'
+
+
+def request_rule_objects(*sets: str, api_versions: tuple[str, ...] = MONITORING_APIS) -> list[dict]:
+    objs = render(extra=tuple(a for s in sets for a in ("--set", s)), api_versions=api_versions)
+    return ([o for o in by_kind(objs, "PrometheusRule") if o["metadata"]["name"] == "kiln-requests"]
+            + [o for o in by_kind(objs, "ConfigMap") if REQUEST_RULES_KEY in o.get("data", {})])
+
+
+def request_rules_text(*sets: str) -> str:
+    (cm,) = request_rule_objects("monitoring.requestRules.rulesConfigMap.enabled=true", *sets, api_versions=())
+    return cm["data"][REQUEST_RULES_KEY]
+
+
+@needs_helm
+def test_the_plain_request_rules_file_is_the_chart_rendered_with_default_values():
+    # One source: the template. `make rules` writes the file; this fails until it is rerun.
+    assert REQUEST_RULES_FILE.read_text() == request_rules_text(), "run `make rules`"
+    (rule,) = request_rule_objects()
+    assert_valid_monitoring_object(rule)
+    assert rule["metadata"]["namespace"] == NAMESPACE
+    assert rule["spec"] == yaml.safe_load(REQUEST_RULES_FILE.read_text())
+
+
+@needs_helm
+def test_the_request_rules_render_only_when_enabled():
+    (rule,) = request_rule_objects("monitoring.requestRules.prometheusRule.labels.release=kube-prometheus-stack")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert request_rule_objects(api_versions=()) == []  # no Prometheus Operator
+    assert request_rule_objects("monitoring.requestRules.prometheusRule.enabled=false") == []
+    (cm,) = request_rule_objects("monitoring.requestRules.prometheusRule.enabled=false",
+                                 "monitoring.requestRules.rulesConfigMap.enabled=true",
+                                 "monitoring.requestRules.rulesConfigMap.namespace=monitoring", api_versions=())
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["name"] == "kiln-requests-rules"
+    assert cm["metadata"]["namespace"] == "monitoring"
+
+
+def test_the_request_rules_are_the_contract():
+    (group,) = yaml.safe_load(REQUEST_RULES_FILE.read_text())["groups"]
+    (alert,) = group["rules"]
+    # The receiver records it, and the documented route (kiln_autoscaling="true") delivers it.
+    assert alert["alert"] == signals.REFUSED and signals.REFUSED in signals.RECEIVED
+    assert signals.REFUSED not in ALERTS  # no scaling signal
+    assert alert["labels"] == {"kiln_autoscaling": "true"}
+    assert alert["annotations"]["value"] == "{{ $value }}"
+    assert {"summary", "description"} <= set(alert["annotations"])
+    assert metric_names(alert["expr"]) == {"kiln_requests_total"} and "kiln_requests_total" in RUNTIME_METRICS
+    # The model's share (every pod), over the window, above the bound, at a minimum rate.
+    assert f"sum by (namespace, model) (increase(kiln_requests_total{{{REFUSED_OUTCOMES}}}[5m]))" in alert["expr"]
+    assert "sum by (namespace, model) (increase(kiln_requests_total[5m]))" in alert["expr"]
+    assert ") > 0.5\n" in alert["expr"] and alert["expr"].index(") > 0.5") < alert["expr"].index("and on")
+    assert "sum by (namespace, model) (rate(kiln_requests_total[5m])) >= 0.05" in alert["expr"]
+    assert alert["for"] == "1m"
+
+
+@needs_helm
+def test_request_rule_values_reach_the_rules():
+    (group,) = yaml.safe_load(request_rules_text(
+        "monitoring.requestRules.refusedRatio=0.25", "monitoring.requestRules.window=10m",
+        "monitoring.requestRules.minRate=1.5", "monitoring.requestRules.refusedFor=3m"))["groups"]
+    (alert,) = group["rules"]
+    assert f"increase(kiln_requests_total{{{REFUSED_OUTCOMES}}}[10m])" in alert["expr"]
+    assert ") > 0.25\n" in alert["expr"] and "(rate(kiln_requests_total[10m])) >= 1.5" in alert["expr"]
+    assert alert["for"] == "3m" and "in the last 10m" in alert["annotations"]["description"]
+    for bad in ("monitoring.requestRules.refusedRatio=1", "monitoring.requestRules.refusedRatio=half",
+                "monitoring.requestRules.minRate=-1", "monitoring.requestRules.window=5 minutes"):
+        out = helm("template", "kiln", str(CHART), "--set", bad)
+        assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, bad
+
+
+@needs_promtool
+def test_promtool_checks_the_request_rules_file():
+    out = promtool("check", "rules", str(REQUEST_RULES_FILE))
+    assert out.returncode == 0 and "SUCCESS: 1 rules found" in out.stdout, out.stdout + out.stderr
+
+
+@needs_promtool
+@pytest.mark.parametrize("broken", ["min-rate", "per-pod"])
+def test_promtool_request_unit_tests_can_fail(tmp_path, broken):
+    # Without the minimum rate the trickle fires; a pod's share instead of the model's fires
+    # for the split model: the unit tests say so.
+    text = REQUEST_RULES_FILE.read_text()
+    if broken == "min-rate":
+        assert text.count(">= 0.05") == 1
+        text, model = text.replace(">= 0.05", ">= 0"), "trickle"
+    else:
+        assert text.count("sum by (namespace, model) (increase(") == 2
+        text = text.replace("sum by (namespace, model) (increase(", "sum by (namespace, model, pod) (increase(")
+        model = "split"
+    (tmp_path / REQUEST_RULES_KEY).write_text(text)
+    shutil.copy(ROOT / "tests" / "chart" / "rules" / "requests_refused_test.yaml", tmp_path / "requests_refused_test.yaml")
+    out = promtool("test", "rules", "requests_refused_test.yaml", cwd=tmp_path)
+    assert out.returncode != 0 and f'model="{model}"' in out.stderr, out.stdout + out.stderr
 
 
 # ------------------------------------------------------------------ dashboards

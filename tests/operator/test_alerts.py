@@ -60,16 +60,17 @@ def raw_post(receiver, am, body: bytes, headers: dict[str, bytes | str]) -> tupl
 
 # -- item 1: only the named InferenceModel, only in a watched namespace ----------------------
 
-def test_labels_that_are_no_names_are_invalid_and_write_nothing(api, receiver, objects, am, caplog):
-    attacks = [am.alert(NS, model, sig.HIGH, fingerprint=f"m{i}") for i, model in enumerate(MODEL_ATTACKS)]
-    attacks += [am.alert(ns, model, sig.HIGH, fingerprint=f"n{i}") for i, (ns, model) in enumerate(NAMESPACE_ATTACKS)]
+@pytest.mark.parametrize("alertname", [sig.HIGH, sig.REFUSED])  # a scaling signal, and the health one
+def test_labels_that_are_no_names_are_invalid_and_write_nothing(api, receiver, objects, am, caplog, alertname):
+    attacks = [am.alert(NS, model, alertname, fingerprint=f"m{i}") for i, model in enumerate(MODEL_ATTACKS)]
+    attacks += [am.alert(ns, model, alertname, fingerprint=f"n{i}") for i, (ns, model) in enumerate(NAMESPACE_ATTACKS)]
     before = counted(receiver, "invalid")
-    answer = am.post(receiver, am.webhook(*attacks, am.alert(*TARGET[1:], sig.HIGH)))
+    answer = am.post(receiver, am.webhook(*attacks, am.alert(*TARGET[1:], alertname)))
     written = [victim for victim in VICTIMS if signals_on(api, *victim) is not None]
     assert written == [], f"a label that is no name wrote the signals onto {written}"
     # The rest of the payload still applies (a 400 would make Alertmanager drop all of it).
     assert answer == (200, {"invalid": len(attacks), "accepted": 1})
-    assert sig.HIGH in signals_on(api, *TARGET)
+    assert alertname in signals_on(api, *TARGET)
     assert counted(receiver, "invalid") - before == len(attacks)
     assert tracebacks(caplog) == []
 
@@ -152,4 +153,15 @@ def test_an_expect_other_than_100_continue_is_a_417(receiver, am, caplog):
     for expect, answer in ((b"\x80", 417), (b"nothing", 417), (b"100-continue", 200)):
         status, doc = raw_post(receiver, am, body, {"Authorization": "Bearer test-token", "Expect": expect})
         assert status == answer and ("error" in doc if status == 417 else doc == {"accepted": 1}), (expect, doc)
+    assert tracebacks(caplog) == []
+
+
+def test_a_refused_share_that_is_no_number_is_recorded_without_it(api, receiver, am, caplog):
+    """KilnRequestsRefused's value is a share the serving step repeats in status: NaN or
+    Infinity is no value (recorded as none), and a firing alert is still recorded."""
+    api.apply(obj(KIND, NS, "refusing"))
+    for i, value in enumerate(("NaN", "+Inf", "-Inf", "0.9; rm -rf /", "")):
+        alert = am.alert(NS, "refusing", sig.REFUSED, value=value, ago=100 - i, fingerprint=f"v{i}")
+        assert am.post(receiver, am.webhook(alert)) == (200, {"accepted": 1}), value
+        assert sig.parse({sig.ANN_SIGNALS: signals_on(api, KIND, NS, "refusing")})[sig.REFUSED].value is None, value
     assert tracebacks(caplog) == []

@@ -460,6 +460,55 @@ def test_the_receiver_refuses_what_it_cannot_trust_and_changes_nothing(api, oper
     assert 'kiln_alerts_received_total{result="unauthorized"} 2.0' in metrics
 
 
+# -- requests refused: the model's health from Alertmanager's webhook -----------------------
+
+def refused_alert(am, ns, name, **kw) -> dict:
+    return am.alert(ns, name, "KilnRequestsRefused", fingerprint="refused", **kw)
+
+
+def test_a_model_that_refuses_most_requests_is_degraded_until_the_alert_resolves(api, operator, am):
+    """What the user sees after the receiver gets KilnRequestsRefused: `kubectl get kim` says
+    Degraded, the condition says why with the share, one Warning Event; nothing is scaled or
+    rolled back; the resolved notification clears it."""
+    ns, name = "refusing", "iris"
+    api.apply(model(ns, name, runtime={"replicas": 2}))  # no autoscaling: health is every model's
+    [job] = api.wait(lambda: jobs(api, ns), 10)
+    finish_job(api, job)
+    api.wait(lambda: api.get("Deployment", ns, manifests.runtime_name(name)), 10, "the Deployment")
+    roll_out(api, ns, name)
+    api.wait(lambda: status(api, ns, name).get("phase") == "Ready", 10, "Ready")
+
+    firing = am.webhook(refused_alert(am, ns, name, value="0.98", ago=60))
+    assert am.post(operator, firing) == (200, {"accepted": 1})
+    st = api.wait(lambda: (lambda s: s if condition(s, "Degraded").get("reason") == "RequestsRefused" else None)(
+        status(api, ns, name)), 10, "Degraded RequestsRefused")
+    assert st["phase"] == "Degraded" and condition(st, "Degraded")["status"] == "True"
+    said = condition(st, "Degraded")["message"]
+    assert said.startswith("98% of the model's recent requests were refused (outcome bad_request or refused; "
+                           "KilnRequestsRefused firing since ") and said.endswith(
+        "the clients' inputs do not fit the model, or this version refuses them")
+    assert condition(st, "Available")["status"] == "True"  # its pods still serve: they answer, with refusals
+    [warning] = api.wait(lambda: [e for e in api.events(ns, name) if e["reason"] == "RequestsRefused"], 5, "the Event")
+    assert warning["type"] == "Warning" and warning["message"] == said
+
+    # Alertmanager repeats it (a retry, repeat_interval): the record and the status stay, no second Event.
+    assert am.post(operator, firing) == (200, {"duplicate": 1})
+    import time
+    time.sleep(0.5)
+    assert [e["reason"] for e in api.events(ns, name)].count("RequestsRefused") == 1
+    # A report only: the replicas and the version are what the spec asks.
+    assert api.get("InferenceModel", ns, name)["spec"]["runtime"]["replicas"] == 2
+    assert api.get("Deployment", ns, manifests.runtime_name(name))["spec"]["replicas"] == 2
+    assert "scaling" not in status(api, ns, name) and "rollback" not in status(api, ns, name)
+
+    resolved = am.webhook(refused_alert(am, ns, name, status="resolved", value="0.2"))
+    resolved["alerts"][0]["startsAt"] = firing["alerts"][0]["startsAt"]
+    assert am.post(operator, resolved) == (200, {"accepted": 1})
+    st = api.wait(lambda: (lambda s: s if s.get("phase") == "Ready" else None)(status(api, ns, name)), 10, "Ready again")
+    assert (condition(st, "Degraded")["status"], condition(st, "Degraded")["reason"]) == ("False", "AsExpected")
+    assert [e["reason"] for e in api.events(ns, name)].count("RequestsRefused") == 1
+
+
 # -- canary rollouts -------------------------------------------------------------------------
 # The operator's analysis queries a real Prometheus (conftest's `prometheus`): the checks here
 # are PromQL over constants and absent series, so they pass, fail or find no data on purpose.

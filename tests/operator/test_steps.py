@@ -11,7 +11,7 @@ import json
 import kopf
 import pytest
 
-from kiln.operator import engines, manifests, observations, reconcile, rollout, scaling, serving, steps
+from kiln.operator import engines, manifests, observations, reconcile, rollout, scaling, serving, signals, steps
 from kiln.operator.config import OperatorConfig
 from kiln.operator.kube import ApiError
 from kiln.operator.plan import EngineRef, plan_engines
@@ -669,3 +669,100 @@ async def test_pods_whose_warm_up_samples_fail_are_the_models_status_and_one_war
     await run(c, m, world)
     assert kube.calls["GET"] == gets  # a model whose pods all serve costs no list
     assert {c["type"]: c["reason"] for c in status_written(kube)["conditions"]}["Degraded"] != "WarmupFailed"
+
+
+# ------------------------------------------------------------------------ requests refused
+
+def refused_signal(state="firing", starts=-120.0, seen=-30.0, value=0.98):
+    return signals.Signal(state, T0 + datetime.timedelta(seconds=starts), T0 + datetime.timedelta(seconds=seen),
+                          "fp", value)
+
+
+def with_refused(m, signal):
+    m["metadata"].setdefault("annotations", {})[signals.ANN_SIGNALS] = signals.dump({signals.REFUSED: signal})
+    return m
+
+
+def test_requests_refused_is_degraded_and_says_the_share():
+    value, reason, message = serving.degraded(seen(), None, False, True, refused=refused_signal())
+    assert (value, reason) == (True, "RequestsRefused")
+    assert message == ("98% of the model's recent requests were refused (outcome bad_request or refused; "
+                       "KilnRequestsRefused firing since 2026-01-02T03:02:05.000Z): the clients' inputs do not fit "
+                       "the model, or this version refuses them")
+    # What every client sees comes before how the replicas or a rollout stand; a spec that cannot
+    # work, or new pods that never become Ready, come first.
+    assert serving.degraded(seen(ready=1), None, True, True, rolled_back={"version": "2", "reason": "x"},
+                            refused=refused_signal())[1] == "RequestsRefused"
+    assert serving.degraded(seen(), "bad", False, True, refused=refused_signal())[1] == "InvalidSpec"
+    assert serving.degraded(seen(), None, False, True, warmup_failed="x", refused=refused_signal())[1] == "WarmupFailed"
+    # The value is the receiver's client's word: a share that is none is not repeated.
+    for nonsense in (None, 1e308, -0.5):
+        assert serving.degraded(seen(), None, False, True, refused=refused_signal(value=nonsense))[2].startswith(
+            "most of the model's recent requests were refused")
+
+
+def test_only_an_active_refused_alert_counts():
+    ttl = CONFIG.signal_ttl_seconds
+    assert serving.requests_refused(with_refused(model(), refused_signal()), T0, ttl) == refused_signal()
+    assert serving.requests_refused(with_refused(model(), refused_signal(state="resolved")), T0, ttl) is None
+    assert serving.requests_refused(with_refused(model(), refused_signal(seen=-ttl - 1)), T0, ttl) is None  # stale
+    assert serving.requests_refused(model(), T0, ttl) is None
+    damaged = model()
+    damaged["metadata"]["annotations"] = {signals.ANN_SIGNALS: "{not json"}
+    assert serving.requests_refused(damaged, T0, ttl) is None
+
+
+def test_the_autoscaler_does_not_act_on_refused_requests():
+    policy = scaling.Policy(min_replicas=0, max_replicas=8, target=0.5, max_step=2, up_cooldown=0,
+                            down_cooldown=0, stabilization=0, to_zero_after=0, activator=True)
+    assert scaling.decide(policy, 2, 2, {signals.REFUSED: refused_signal()}, {}, T0, 600.0) == scaling.Decision(2, None)
+
+
+async def test_refused_requests_are_the_models_status_and_one_warning_until_the_alert_resolves():
+    kube, world, m, c = await ready_world()
+    c.wake = wakes = Wakes()
+    writes = {k: n for k, n in kube.calls.items()}
+    deployment = copy.deepcopy(kube.objects[("Deployment", NS, manifests.runtime_name(NAME))])
+    events = len(kube.events)
+    await run(c, with_refused(m, refused_signal()), world)
+    st = status_written(kube)
+    degraded = condition(st, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "RequestsRefused")
+    assert degraded["message"].startswith("98% of the model's recent requests were refused")
+    assert condition(st, "Available")["status"] == "True" and st["phase"] == "Degraded"
+    assert [e for e in kube.events[events:] if e[1] == "RequestsRefused"] == [
+        ("Warning", "RequestsRefused", degraded["message"])]
+    # A report only: the Deployment, its replicas and the spec are as they were; one status write.
+    assert kube.objects[("Deployment", NS, manifests.runtime_name(NAME))] == deployment
+    assert kube.calls["PATCH"] - writes.get("PATCH", 0) == 1
+    # It goes stale 600 s after the last delivery (30 s ago) unless Alertmanager repeats it: the pass looks then.
+    assert wakes.delays == [pytest.approx(600 - 30 + 1)]
+
+    # A repeat with another share: the message follows, no second Warning.
+    m["status"] = st
+    events = len(kube.events)
+    await run(c, with_refused(m, refused_signal(value=0.91, seen=0)), world)
+    st = status_written(kube)
+    assert condition(st, "Degraded")["message"].startswith("91% of")
+    assert [e for e in kube.events[events:] if e[1] in ("RequestsRefused", "Degraded")] == []
+
+    # Resolved: serving as the spec asks again.
+    m["status"] = st
+    await run(c, with_refused(m, refused_signal(state="resolved", seen=10)), world)
+    st = status_written(kube)
+    assert (condition(st, "Degraded")["status"], condition(st, "Degraded")["reason"]) == ("False", "AsExpected")
+    assert st["phase"] == "Ready"
+
+
+async def test_a_refused_alert_that_goes_stale_clears_and_a_new_episode_warns_again():
+    kube, world, m, c = await ready_world()
+    await run(c, with_refused(m, refused_signal(seen=-599)), world)
+    m["status"] = status_written(kube)
+    assert condition(m["status"], "Degraded")["reason"] == "RequestsRefused"
+    c.clock = lambda: T0 + datetime.timedelta(seconds=2)  # no delivery within the TTL: not trusted
+    await run(c, m, world)
+    m["status"] = status_written(kube)
+    assert (condition(m["status"], "Degraded")["status"], m["status"]["phase"]) == ("False", "Ready")
+    events = len(kube.events)
+    await run(c, with_refused(m, refused_signal(starts=0, seen=1)), world)
+    assert [e[1] for e in kube.events[events:] if e[1] == "RequestsRefused"] == ["RequestsRefused"]
