@@ -246,6 +246,8 @@ class Call:
             # The client went away. A request cancelled inside the scheduler is counted
             # there (outcome="cancelled"); count the ones cancelled before they reached it.
             outcome = None if self.in_scheduler else "cancelled"
+        elif isinstance(error, ConnectionResetError):  # it went away while its answer was written
+            outcome = "cancelled"
         else:
             outcome = "error"
         self._finish(outcome)
@@ -276,6 +278,7 @@ class Call:
             results = await model.infer(inputs, parameters, tenant)
         except (InvalidBatch, Overloaded, ExecutionFailed) as e:
             raise scheduler_refusal(model.name, e) from None
+        self.in_scheduler = False  # answered: a client that leaves now is this call's to count
         missing = [name for name in outputs if name not in results]
         if missing:
             raise Refusal(Kind.FAILED, f"the engine returned no {', '.join(missing)}")

@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -162,6 +164,28 @@ def test_grpc_unary_and_stream(server, built):
         result = answers[f"r{i}"]
         assert_matches({o: result.as_numpy(o) for o in ("scores", "label", "pooled")},
                        built.expected(each))
+
+
+def test_a_client_that_leaves_mid_answer_is_counted_cancelled_not_an_error(image_server):
+    """A large answer written in chunks to a client that resets the connection after its
+    first bytes: counted `cancelled`, never `error` (nor logged as a failure)."""
+    body, _ = image_request(4, seed=5)  # 602,112 numbers back: over 6 MB of JSON
+    before = {o: image_server.metric("kiln_requests_total", model=NAME, outcome=o) or 0
+              for o in ("cancelled", "error")}
+    for _ in range(3):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # the answer cannot all be sent
+            sock.settimeout(20)
+            sock.connect(("127.0.0.1", image_server.port))
+            sock.sendall(f"POST /v2/models/{NAME}/infer HTTP/1.1\r\nHost: x\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                         .encode() + body)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+    wait_for_metric(image_server.url, "kiln_requests_total", {"model": NAME, "outcome": "cancelled"},
+                    lambda n: n == before["cancelled"] + 3)
+    assert (image_server.metric("kiln_requests_total", model=NAME, outcome="error") or 0) == before["error"]
+    assert image_server.get("/v2/health/ready")[0] == 200
 
 
 # -- the processes a front end starts ----------------------------------------------------

@@ -142,6 +142,8 @@ class _Connection(RequestHandler):
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError):  # the client went away mid-answer (rest.server)
+            raise ConnectionError("the client closed the connection")
         if status >= 500:
             log.error("error handling a request from %s: %s", request.remote,
                       exc or message, exc_info=exc)

@@ -107,6 +107,8 @@ async def _errors(request: web.Request, handler):
                                                   if k in ("Allow", "Retry-After")})
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise
+    except ConnectionResetError:  # the client went away mid-answer: no one to answer, nothing to log
+        raise
     except Exception:
         return refusal_response(internal_error(log, f"{request.method} {request.path}"))
 
