@@ -538,6 +538,15 @@ def test_receiver_with_an_existing_secret_and_its_own_port():
 
 
 @needs_helm
+def test_the_operator_knows_when_the_rules_scale_on_concurrency():
+    # status.scaling.signal says what the rules read: the operator is told the one value that changes it.
+    _, c = operator_container(render(extra=("--set", "autoscaling.rules.containerConcurrency=10")))
+    assert "--container-concurrency=10" in c["args"]
+    _, c = operator_container(render())
+    assert not any(a.startswith("--container-concurrency") for a in c["args"])
+
+
+@needs_helm
 def test_receiver_disabled():
     objs = render(scenario("no-receiver"))
     assert by_kind(objs, "Secret") == [] and by_kind(objs, "Service") == []
