@@ -45,6 +45,9 @@ class OperatorConfig:
     # The activator's Service, "namespace/name" (`kiln activator`, installed by the chart): a
     # model with minReplicas 0 goes to zero only with one, its Service then pointing there.
     activator_service: str | None = None
+    # The chart's autoscaling.rules.containerConcurrency: above 0 its rules scale every model
+    # on requests in flight per pod over it; status.scaling.signal says which signal a model has.
+    container_concurrency: float = 0.0
 
     def backend_version(self, backend: str) -> str:
         try:

@@ -77,6 +77,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signal-ttl-seconds", type=float, default=600.0,
                         help="a firing alert not delivered again within this long is not acted on; "
                              "keep it above Alertmanager's repeat_interval for Kiln's route")
+    parser.add_argument("--container-concurrency", type=_non_negative, default=0.0, metavar="N",
+                        help="the chart's autoscaling.rules.containerConcurrency: above 0, the autoscaling rules "
+                             "scale every model on requests in flight per pod over N (status.scaling.signal says so)")
     parser.add_argument("--prometheus-url", default=None, metavar="URL",
                         help="Prometheus for canary analysis (e.g. http://prometheus-operated.monitoring:9090); "
                              "without it the built-in checks are off and a spec's own checks hold the rollout")
@@ -126,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         cache_gc_lock_settle_seconds=args.cache_gc_lock_settle_seconds,
         cache_gc_dry_run=args.cache_gc_dry_run,
         activator_service=args.activator_service,
+        container_concurrency=args.container_concurrency,
     )
 
 

@@ -44,9 +44,10 @@ from typing import Any, Mapping
 
 from kiln.operator import manifests
 from kiln.operator import signals as sig
+from kiln.operator.plan import targets_of
 from kiln.operator.kube import ApiError
 from kiln.operator.steps import Event, Owns, Pass, StepResult
-from kiln.runtime.api import contract
+from kiln.runtime.api import contract, enginekey
 
 OWNS = Owns(fields=("scaling",), sticky=("scaling",))
 HISTORY = 10  # status.scaling.history entries kept
@@ -212,6 +213,18 @@ def _goal(policy: Policy, current: int, signal: sig.Signal, state: Mapping[str, 
     return goal if (goal > current if up else goal < current) else None
 
 
+def utilization_signal(targets: list[str], concurrency: float) -> str:
+    """What the chart's rules (kiln.utilizationExpr) read as this model's utilization, for
+    status.scaling.signal: with containerConcurrency, requests in flight; on a GPU engine, the
+    GPU; on CPU engines, each pod's bottleneck (a light model saturates its front ends or its
+    CPU limit long before its engine)."""
+    if concurrency > 0:
+        return f"concurrency: requests in flight per pod / {concurrency:g}"
+    if any(t != enginekey.CPU_TARGET for t in targets):
+        return "gpu: GPU utilization (engine busy fraction without a GPU metric)"
+    return "cpu: per pod the highest of engine busy, front ends busy, CPU / CPU limit"
+
+
 def next_state(state: Mapping[str, Any], current: int, d: Decision,
                now: datetime.datetime) -> tuple[dict[str, Any], bool]:
     """status.scaling after `d` (the count it stands at, the last change, a bounded history),
@@ -276,6 +289,7 @@ async def step(p: Pass) -> StepResult:
     d = decide(Policy.from_spec(auto, activator=p.ctx.config.activator_service is not None), current, ready, sig.parse(p.model["metadata"].get("annotations")),
                state, now, p.ctx.config.signal_ttl_seconds)
     new_state, recorded = next_state(state, current, d, now)
+    new_state["signal"] = utilization_signal(targets_of(p.spec, p.ctx.config), p.ctx.config.container_concurrency)
     if d.replicas != current:
         generation = await _write_replicas(p, d.replicas)
         if generation is None:  # changed meanwhile: the pass its watch event brings decides again

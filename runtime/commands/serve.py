@@ -180,13 +180,15 @@ def watch_engine_cache(metrics, cache_dir: str, claim: str, namespace: str) -> N
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import threading
 
     from kiln.runtime.commands.termination import TERMINATION_LOG_LIMIT, termination_log, write_message
     from kiln.runtime.serving.rest.connections import ConnectionLimits
     from kiln.runtime.serving.workers.front_end import FrontEndConfig
     from kiln.runtime.serving.workers.engines import (EngineConfig, auto_engine_processes,
                                                       light_cpu_engine, parse_engine_processes)
-    from kiln.runtime.serving.workers.supervisor import FrontEnds, cpu_limit, parse_workers
+    from kiln.runtime.serving.cpu import PodCpu, cpu_limit
+    from kiln.runtime.serving.workers.supervisor import FrontEnds, parse_workers
     from kiln.runtime.serving.metrics import ServerMetrics
     from kiln.runtime.serving.loading import parse_engines
     from kiln.runtime.serving.model import ServedModel
@@ -265,6 +267,10 @@ def run(args: argparse.Namespace) -> int:
                 body_timeout=args.body_timeout_seconds, limits=limits,
                 drain_seconds=args.drain_seconds, log_level=args.log_level,
                 event_loop=event_loop), engines=others, drain_seconds=args.drain_seconds)
+        # The pod's CPU, its limit and its HTTP loops' busy time (the autoscaling signal of
+        # CPU models): this process's loop where it is the front end itself.
+        own_loop = [(os.getpid(), threading.get_native_id())]
+        metrics.pod_cpu.watch(PodCpu(cpus, front_ends.loops if front_ends else lambda: own_loop, workers))
         stop = asyncio.Event()
 
         async def stop_if_failed(_url: str | None) -> None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kiln.runtime.engine.cache.usage import CacheUsage
+
+if TYPE_CHECKING:
+    from kiln.runtime.serving.cpu import PodCpu
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -136,6 +139,8 @@ class ServerMetrics:
         # its collector on this registry when a GPU is present; absent otherwise).
         self.engine_cache = EngineCacheCollector()
         r.register(self.engine_cache)
+        self.pod_cpu = PodCpuCollector()
+        r.register(self.pod_cpu)
 
     def busy_window(self, model: str, version: str) -> "BusyWindow":
         """The window behind `kiln_engine_busy_ratio{model, version}`: what `add` records
@@ -226,3 +231,38 @@ class EngineCacheCollector:
             if value is not None:
                 family.add_metric(self._labels, value)
             yield family
+
+
+class PodCpuCollector:
+    """The pod's CPU, read at scrape time from `watch`'s `cpu.PodCpu` (the first engine
+    process's; the others watch none). Unlabelled: Prometheus gives each series the pod's
+    namespace and pod, and the rules join them to the model through kiln_model_info. A value
+    that cannot be read is left out, never exported as 0."""
+
+    def __init__(self):
+        self._pod: PodCpu | None = None
+
+    def watch(self, pod: "PodCpu") -> None:
+        self._pod = pod
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield CounterMetricFamily(
+            "kiln_pod_cpu_seconds", "CPU seconds the pod's container used (its cgroup's "
+            "cpu.stat usage_usec where readable, else its processes' from /proc): over "
+            "kiln_pod_cpu_limit_cores, how much of its CPU limit the pod uses.", labels=())
+        yield GaugeMetricFamily(
+            "kiln_pod_cpu_limit_cores", "The CPUs the pod may use (its cgroup's cpu.max, or "
+            "its CPU affinity where lower); absent when neither can be read.", labels=())
+        yield CounterMetricFamily(
+            "kiln_pod_front_end_busy_seconds", "CPU seconds of the event loops that serve HTTP "
+            "(each front end's; the one process's where there are none), divided by their "
+            "number: the rate is their mean busy fraction (0..1).", labels=())
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        usage, limit, loops = self.describe()
+        if self._pod is not None:
+            values = (self._pod.usage_seconds(), self._pod.limit, self._pod.loop_seconds())
+            for family, value in zip((usage, limit, loops), values):
+                if value is not None:
+                    family.add_metric([], value)
+        yield from (usage, limit, loops)

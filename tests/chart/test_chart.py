@@ -342,6 +342,10 @@ def test_no_pvc_and_an_existing_service_account():
     ("autoscaling:\n  rules:\n    lowFraction: 1.5\n", "- at '/autoscaling/rules/lowFraction': exclusiveMaximum: got 1.5, want 1"),
     ("autoscaling:\n  rules:\n    lowFraction: \"half\"\n",
      "- at '/autoscaling/rules/lowFraction': 'half' does not match pattern"),
+    ("autoscaling:\n  rules:\n    containerConcurrency: -1\n",
+     "- at '/autoscaling/rules/containerConcurrency': minimum: got -1, want 0"),
+    ("autoscaling:\n  rules:\n    containerConcurrency: \"ten\"\n",
+     "- at '/autoscaling/rules/containerConcurrency': 'ten' does not match pattern"),
     ("autoscaling:\n  receiver:\n    port: 80\n", "- at '/autoscaling/receiver/port': minimum: got 80, want 1,024"),
     ("monitoring:\n  podMonitor:\n    enabled: yes please\n",
      "- at '/monitoring/podMonitor/enabled': got string, want boolean"),
@@ -537,6 +541,15 @@ def test_receiver_with_an_existing_secret_and_its_own_port():
 
 
 @needs_helm
+def test_the_operator_knows_when_the_rules_scale_on_concurrency():
+    # status.scaling.signal says what the rules read: the operator is told the one value that changes it.
+    _, c = operator_container(render(extra=("--set", "autoscaling.rules.containerConcurrency=10")))
+    assert "--container-concurrency=10" in c["args"]
+    _, c = operator_container(render())
+    assert not any(a.startswith("--container-concurrency") for a in c["args"])
+
+
+@needs_helm
 def test_receiver_disabled():
     objs = render(scenario("no-receiver"))
     assert by_kind(objs, "Secret") == [] and by_kind(objs, "Service") == []
@@ -574,6 +587,9 @@ OPERATOR_METRICS = exported(OperatorMetrics().registry)
 ALERTS = signals.ALERTS
 RECORDED = "kiln:utilization:ratio"
 RECORDED_SHORT = "kiln:utilization_short:ratio"  # over surgeWindow, KilnUtilizationSurge's
+# What a CPU pod's utilization is the highest of: its engine's, its front ends' and its CPU's.
+POD_SIGNALS = {"kiln_engine_busy_seconds_total", "kiln_pod_front_end_busy_seconds_total",
+               "kiln_pod_cpu_seconds_total", "kiln_pod_cpu_limit_cores"}
 SHORT_WINDOWS = ("autoscaling.rules.highFor=5s", "autoscaling.rules.lowFor=10s", "autoscaling.rules.missingFor=8s",
                  "autoscaling.rules.rateWindow=4s", "autoscaling.rules.interval=1s")
 # Each promtool unit test file and the values its rules are rendered with.
@@ -586,6 +602,8 @@ RULE_TESTS = {
     "model_idle_test.yaml": (),  # the scale-to-zero rule (kiln-idle.rules.yaml), shipped as it is
     "requests_refused_test.yaml": (),  # the request-outcome rule (kiln-requests.rules.yaml, default values)
     "surge_test.yaml": (),
+    "cpu_bottleneck_test.yaml": (),
+    "concurrency_test.yaml": ("autoscaling.rules.containerConcurrency=10",),
 }
 RULE_VARIANTS = {"default": (), "short-windows": SHORT_WINDOWS, **{
     name.removesuffix("_test.yaml"): sets for name, sets in RULE_TESTS.items() if sets}}
@@ -648,9 +666,14 @@ def test_the_rules_are_the_contract():
         assert metric_names(rule["expr"]) == {reads, "kiln_autoscaling_target_ratio"}, name
     assert [alerts[a]["for"] for a in ALERTS] == ["1m", "0s", "2m", "2m"]
     for rule, window in zip(group["rules"][:2], ("1m", "20s")):
-        assert metric_names(rule["expr"]) == {
-            "kiln_gpu_utilization_ratio", "kiln_model_info", "kiln_engine_busy_seconds_total"}
-        assert f"rate(kiln_engine_busy_seconds_total[{window}])" in rule["expr"]
+        assert metric_names(rule["expr"]) == POD_SIGNALS | {"kiln_gpu_utilization_ratio", "kiln_model_info"}
+        assert POD_SIGNALS <= RUNTIME_METRICS
+        for counter in ("kiln_engine_busy_seconds_total", "kiln_pod_front_end_busy_seconds_total",
+                        "kiln_pod_cpu_seconds_total"):
+            assert f"rate({counter}[{window}])" in rule["expr"]
+        # per pod the highest of the three, clamped to 1, then the model's pods' average
+        assert rule["expr"].count("label_replace(") == 3 and "clamp_max(max by (namespace, pod, model) (" in rule["expr"]
+        assert rule["expr"].count('kiln_model_info{target="cpu"}') == 2  # not the GPU engines'
     assert "(0.5 * max by (namespace, model) (kiln_autoscaling_target_ratio))" in alerts["KilnUtilizationLow"]["expr"]
     assert "clamp_max(2 * max by (namespace, model) (kiln_autoscaling_target_ratio), 0.9)" in alerts[signals.SURGE]["expr"]
 
@@ -670,9 +693,19 @@ def test_rule_values_reach_the_rules():
                         (RULE_TESTS["dcgm_engine_active_test.yaml"],
                          {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "kiln_model_info"})]:
         expr = yaml.safe_load(rules_text(*sets))["groups"][0]["rules"][0]["expr"]
-        assert metric_names(expr) == names | {"kiln_engine_busy_seconds_total"}
+        assert metric_names(expr) == names | POD_SIGNALS
         assert "on (namespace, pod) group_left (model)" in expr and 'kiln_model_info{target!="cpu"}' in expr
         assert ("DCGM_FI_DEV_GPU_UTIL / 100" in expr) == ("DCGM_FI_DEV_GPU_UTIL" in names)
+
+
+@needs_helm
+def test_container_concurrency_switches_every_model_to_requests_in_flight():
+    (group,) = yaml.safe_load(rules_text("autoscaling.rules.containerConcurrency=10", "autoscaling.rules.rateWindow=4s",
+                                         "autoscaling.rules.surgeWindow=3s"))["groups"]
+    for rule, window in zip(group["rules"][:2], ("4s", "3s")):
+        assert metric_names(rule["expr"]) == {"kiln_inflight_requests"}
+        assert f"avg_over_time(kiln_inflight_requests[{window}])" in rule["expr"] and rule["expr"].strip().endswith(") / 10")
+    assert yaml.safe_load(rules_text("autoscaling.rules.containerConcurrency=0")) == yaml.safe_load(RULES_FILE.read_text())
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -717,17 +750,34 @@ def test_promtool_rules_unit_tests(tmp_path, test_file):
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
+def with_utilization(text: str, swap) -> str:
+    """The rules file with both utilization records' `GPU or CPU` expressions passed through `swap`."""
+    doc = yaml.safe_load(text)
+    for rule in doc["groups"][0]["rules"][:2]:
+        gpu, cpu = rule["expr"].split("\nor\n")
+        rule["expr"] = swap(gpu.strip(), cpu.strip())
+    return yaml.safe_dump(doc)
+
+
 @needs_promtool
-def test_promtool_rules_unit_tests_can_fail(tmp_path):
-    # The same unit tests against rules that read busy time before the GPU: they must fail.
-    text = RULES_FILE.read_text()
-    gpu = 'avg by (namespace, model) (kiln_gpu_utilization_ratio and on (namespace, pod) kiln_model_info{target!="cpu"})'
-    busy = "avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[1m]))"
-    assert gpu in text and busy in text
-    (tmp_path / RULES_KEY).write_text(text.replace(gpu, "__GPU__").replace(busy, gpu).replace("__GPU__", busy))
-    shutil.copy(ROOT / "tests" / "chart" / "rules" / "default_test.yaml", tmp_path / "default_test.yaml")
-    out = promtool("test", "rules", "default_test.yaml", cwd=tmp_path)
-    assert out.returncode != 0 and 'model="bert"' in out.stderr, out.stdout + out.stderr
+@pytest.mark.parametrize("test_file, broken, fails_on", [
+    # busy time before the GPU: bert takes its busy fraction
+    ("default_test.yaml", lambda gpu, cpu: f"{cpu}\nor\n{gpu}", 'model="bert"'),
+    # the engine's busy fraction alone, as before the pod's CPU signals: a light model with
+    # saturated front ends reads 0.2
+    ("cpu_bottleneck_test.yaml",
+     lambda gpu, cpu: f"{gpu}\nor\navg by (namespace, model) (rate(kiln_engine_busy_seconds_total[1m]))",
+     'model="light"'),
+])
+def test_promtool_rules_unit_tests_can_fail(tmp_path, test_file, broken, fails_on):
+    # The same unit tests against broken rules: they must fail.
+    (tmp_path / RULES_KEY).write_text(with_utilization(RULES_FILE.read_text(), broken))
+    shutil.copy(ROOT / "tests" / "chart" / "rules" / test_file, tmp_path / test_file)
+    out = promtool("test", "rules", test_file, cwd=tmp_path)
+    assert out.returncode != 0 and fails_on in out.stderr, out.stdout + out.stderr
+    # ...and pass with the rules as they are, put through the same YAML round trip.
+    (tmp_path / RULES_KEY).write_text(with_utilization(RULES_FILE.read_text(), lambda gpu, cpu: f"{gpu}\nor\n{cpu}"))
+    assert promtool("test", "rules", test_file, cwd=tmp_path).returncode == 0
 
 
 # ------------------------------------------------------------------ engine cache rules

@@ -387,6 +387,8 @@ def test_a_high_alert_scales_up_once_and_a_replay_changes_nothing(api, operator,
     assert (entry["from"], entry["to"], entry["reason"], entry["source"]) == (2 - 1, 2, "UtilizationHigh",
                                                                               "KilnUtilizationHigh")
     assert status(api, ns, name)["scaling"]["lastDecision"] == "1->2 UtilizationHigh"
+    # what the rules read for it (a TensorRT model: its GPUs), for kubectl describe
+    assert status(api, ns, name)["scaling"]["signal"].startswith("gpu: ")
     api.wait(lambda: [e for e in api.events(ns, name) if e["reason"] == "ScaledUp"], 5, "a ScaledUp Event")
     annotations = api.get("InferenceModel", ns, name)["metadata"]["annotations"]
     assert "KilnUtilizationHigh" in annotations["autoscaling.kiln.dev/signals"]

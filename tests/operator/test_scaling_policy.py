@@ -219,3 +219,13 @@ def test_a_damaged_record_reads_as_no_signal():
     assert sig.parse({sig.ANN_SIGNALS: '{"KilnUtilizationHigh": {"state": "firing"}}'}) == {}
     good = {sig.HIGH: signal()}
     assert sig.parse({sig.ANN_SIGNALS: sig.dump(good)}) == good
+
+
+def test_the_signal_is_what_the_rules_read_for_the_model():
+    # kiln.utilizationExpr: concurrency when the chart sets it, else the GPU, else a CPU pod's bottleneck.
+    assert scaling.utilization_signal(["cpu"], 0).startswith("cpu: per pod the highest of engine busy, front ends busy")
+    assert scaling.utilization_signal(["sm90"], 0).startswith("gpu: ")
+    assert scaling.utilization_signal(["cpu", "sm90"], 0).startswith("gpu: ")
+    assert scaling.utilization_signal(["cpu"], 10) == scaling.utilization_signal(["sm90"], 10) == (
+        "concurrency: requests in flight per pod / 10")
+    assert scaling.utilization_signal(["cpu"], 2.5).endswith("/ 2.5")

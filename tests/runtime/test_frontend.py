@@ -417,3 +417,34 @@ def test_engine_processes_share_the_front_ends(built, tmp_path, kiln_process):
         assert p.stop() == 0
     log = "\n".join(p.lines)
     assert "Traceback" not in log and "Exception ignored" not in log, log
+
+
+# ------------------------------------------------------------------------ the pod's CPU signals
+
+def pod_signals(client) -> dict[str, float | None]:
+    return {"cpu": client.metric("kiln_pod_cpu_seconds_total"), "limit": client.metric("kiln_pod_cpu_limit_cores"),
+            "front_end": client.metric("kiln_pod_front_end_busy_seconds_total"),
+            "engine": client.metric("kiln_engine_busy_seconds_total", model=NAME)}
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_a_loaded_light_model_shows_its_front_ends_busier_than_its_engine(built, tmp_path, kiln_process, workers):
+    p, client = serve(kiln_process, built, tmp_path, workers)
+    try:
+        if workers > 1:
+            assert len(front_ends(p.proc.pid)) == workers
+        before, t0 = pod_signals(client), time.monotonic()
+        assert before["limit"] == float(len(os.sched_getaffinity(p.proc.pid)))
+        doc = {"inputs": json_inputs(sample(1))}
+        with ThreadPoolExecutor(8) as pool:
+            assert set(pool.map(lambda _: client.infer(doc)[0], range(1500))) == {200}
+        after, seconds = pod_signals(client), time.monotonic() - t0
+        rate = {k: (after[k] - before[k]) / seconds for k in ("cpu", "front_end", "engine")}
+        # The engine's busy fraction misses where the work is: HTTP in the loops, the pod's CPU.
+        assert rate["front_end"] > rate["engine"], rate
+        if workers > 1:  # the hand-overs between processes cost CPU the engine never sees
+            assert max(rate["front_end"], rate["cpu"] / after["limit"]) > 1.5 * rate["engine"], rate
+        assert 0 < rate["front_end"] <= 1.05 and 0 < rate["cpu"] <= after["limit"] * 1.05, rate
+        print(f"\n{workers} front end(s): {rate}")
+    finally:
+        assert p.stop() == 0

@@ -4,6 +4,7 @@ Nothing in it depends on the release, so every install with default values gets 
 {{- define "kiln.autoscalingRules" -}}
 {{- $r := .Values.autoscaling.rules -}}
 {{- $gpu := $r.gpuUtilizationMetric -}}
+{{- $c := $r.containerConcurrency -}}
 # Kiln's autoscaling rules (a Prometheus rules file), rendered from the kiln chart's
 # templates/_autoscaling.tpl. The alerts go to Kiln's receiver (docs/operations.md).
 groups:
@@ -12,15 +13,16 @@ groups:
     interval: {{ . }}
     {{- end }}
     rules:
-      # A model's utilization (0..1) averaged over its pods, the GPU's or the engine's busy
-      # fraction over rateWindow (kiln.utilizationExpr says which).
+      # A model's utilization (0..1) averaged over its pods over rateWindow: the GPU's, or a CPU
+      # pod's bottleneck (engine, front ends or CPU limit), or its concurrency
+      # (kiln.utilizationExpr says which).
       - record: kiln:utilization:ratio
         expr: |
-          {{- include "kiln.utilizationExpr" (dict "gpu" $gpu "window" $r.rateWindow) | nindent 10 }}
+          {{- include "kiln.utilizationExpr" (dict "gpu" $gpu "window" $r.rateWindow "concurrency" $c) | nindent 10 }}
       # The same over the short surgeWindow, for KilnUtilizationSurge alone.
       - record: kiln:utilization_short:ratio
         expr: |
-          {{- include "kiln.utilizationExpr" (dict "gpu" $gpu "window" $r.surgeWindow) | nindent 10 }}
+          {{- include "kiln.utilizationExpr" (dict "gpu" $gpu "window" $r.surgeWindow "concurrency" $c) | nindent 10 }}
       # The target exists only for models with autoscaling enabled, so the others never fire.
       # `max by` keeps one target per model if the operator is scraped twice.
       - alert: KilnUtilizationHigh
@@ -78,11 +80,19 @@ groups:
           value: {{ `'{{ $value }}'` }}
 {{- end -}}
 
-{{/* A model's utilization (0..1) averaged over its pods, the busy ratio's rate over .window:
-the GPU's where its engine runs on a GPU (kiln_model_info's target is not cpu; a CPU model
-never takes a GPU series, even one an older runtime exported because its pod could see a GPU),
-else the fraction of engine capacity in use, which every backend reports. */}}
+{{/* A model's utilization (0..1) averaged over its pods, rates over .window. With
+.concurrency > 0 (Knative's container concurrency): the requests in flight per pod over it.
+Else the GPU's where its engine runs on a GPU (kiln_model_info's target is not cpu; a CPU model
+never takes a GPU series, even one an older runtime exported because its pod could see a GPU);
+else, per pod, its bottleneck: the highest of the engine's busy fraction, the front ends' (their
+event loops parse HTTP and decode tensors) and the pod's CPU over its limit, on CPU engines
+(the engine's alone on a GPU engine without a GPU metric, and from a runtime without them). */}}
 {{- define "kiln.utilizationExpr" -}}
+{{- if gt (float64 .concurrency) 0.0 -}}
+avg by (namespace, model) (
+  sum by (namespace, pod, model) (avg_over_time(kiln_inflight_requests[{{ .window }}]))
+) / {{ .concurrency }}
+{{- else -}}
 {{- if eq .gpu "kiln_gpu_utilization_ratio" -}}
 avg by (namespace, model) (kiln_gpu_utilization_ratio and on (namespace, pod) kiln_model_info{target!="cpu"})
 {{- else -}}
@@ -92,7 +102,17 @@ avg by (namespace, model) (
 )
 {{- end }}
 or
-avg by (namespace, model) (rate(kiln_engine_busy_seconds_total[{{ .window }}]))
+avg by (namespace, model) (clamp_max(max by (namespace, pod, model) (
+  label_replace(rate(kiln_engine_busy_seconds_total[{{ .window }}]), "signal", "engine", "", "")
+  or
+  label_replace(max by (namespace, pod) (rate(kiln_pod_front_end_busy_seconds_total[{{ .window }}]))
+    * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info{target="cpu"}), "signal", "front_end", "", "")
+  or
+  label_replace(max by (namespace, pod) (rate(kiln_pod_cpu_seconds_total[{{ .window }}]))
+    / on (namespace, pod) max by (namespace, pod) (kiln_pod_cpu_limit_cores > 0)
+    * on (namespace, pod) group_left (model) max by (namespace, pod, model) (kiln_model_info{target="cpu"}), "signal", "cpu", "", "")
+), 1))
+{{- end }}
 {{- end -}}
 
 {{/* The Secret with the receiver's bearer token (key `token`). */}}

@@ -190,8 +190,8 @@ def merge_metrics(texts: list[bytes], engines: int) -> bytes:
     """The first engine's exposition (`texts[0]`) with the other engines' added in: counters,
     histograms and gauges summed by series, except `kiln_model_ready` (the lowest: ready
     only when every engine is), the first engine's own `kiln_model_info`,
-    `kiln_engine_load_seconds` and `kiln_engine_cache_*` (one volume, however many engines
-    read it), and `kiln_engine_busy_seconds` and `kiln_engine_busy_ratio` divided by the
+    `kiln_engine_load_seconds`, `kiln_engine_cache_*` (one volume, however many engines
+    read it) and `kiln_pod_*` (the whole pod's, which only the first reads), and `kiln_engine_busy_seconds` and `kiln_engine_busy_ratio` divided by the
     engine count (the rate, and the ratio, stay the fraction of the pod's engine capacity in
     use, 0..1: a ratio is averaged over the engines, not summed)."""
     from prometheus_client.core import Metric
@@ -200,7 +200,7 @@ def merge_metrics(texts: list[bytes], engines: int) -> bytes:
     from prometheus_client.registry import Collector, CollectorRegistry
 
     own = ("kiln_model_info", "kiln_engine_load_seconds")
-    own_prefixes = ("kiln_gpu_", "kiln_engine_cache_")
+    own_prefixes = ("kiln_gpu_", "kiln_engine_cache_", "kiln_pod_")
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, float]] = {}
     for i, text in enumerate(texts):

@@ -47,7 +47,6 @@ import signal
 import socket
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from kiln.runtime.api.contract import MAX_AUTO_FRONT_END_WORKERS, MAX_FRONT_END_WORKERS
@@ -60,24 +59,6 @@ from kiln.runtime.serving.workers.link import EngineLink
 log = logging.getLogger("kiln.runtime.serving.workers")
 
 _RESTART_DELAY = 1.0
-
-
-def cpu_limit() -> float | None:
-    """The CPUs this process may use: the lower of its cgroup's quota (a pod's CPU limit)
-    and its affinity mask (taskset, a CPU manager's exclusive cores), each when set; None
-    when neither can be read."""
-    limits = []
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            limits.append(int(quota) / int(period))
-    except (OSError, ValueError):
-        pass
-    try:
-        limits.append(float(len(os.sched_getaffinity(0))))
-    except (AttributeError, OSError):
-        pass
-    return min(limits) if limits else None
 
 
 def default_workers(cpus: float | None, engines: int = 1, light: bool = False) -> int:
@@ -163,6 +144,11 @@ class FrontEnds:
         if self._engines:
             log.info("%d engine processes", 1 + len(self._engines))
         return server.url
+
+    def loops(self) -> list[tuple[int, int]]:
+        """(pid, thread id) of each front end's event loop (its main thread), for
+        cpu.PodCpu: the front ends' busy fraction."""
+        return [(p.pid, p.pid) for p in list(self._procs.values()) if p.pid is not None]
 
     def _batch_hub(self, index: int) -> str | None:
         engine = index % (1 + len(self._engines))
