@@ -519,7 +519,8 @@ def test_a_model_that_refuses_most_requests_is_degraded_until_the_alert_resolves
 def canary_model(ns, name, check: dict, **rollout) -> dict:
     return model(ns, name, runtime={"replicas": 2}, rollout={
         "strategy": "Canary", "steps": [{"weight": 50, "pauseSeconds": 1}],
-        "analysis": {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": None, "maxLatencyRatio": None,
+        "analysis": {"intervalSeconds": 5, "failureLimit": 0, "maxErrorRatio": None, "maxRefusedRatioIncrease": None,
+                     "maxLatencyRatio": None,
                      "metrics": [check]}, **rollout})
 
 

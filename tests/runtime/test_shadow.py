@@ -229,9 +229,10 @@ def smaller_embedding(model_bytes: bytes, rows: int) -> bytes:
 def test_a_canary_that_refuses_what_the_stable_side_answered_disagrees_on_every_output(built, tmp_path):
     """Issue 34: the canary's 400 to a request the stable side answered 200 is its failure,
     compared and counted as every output differing, not a failed copy the analysis ignores."""
-    refusing = build_cpu_engine(built.cache.parent, NAME, smaller_embedding(built.onnx, 5))
+    # Its own cache: the engine key is the model's URI and version, which the shifted test's share.
+    refusing = build_cpu_engine(tmp_path, NAME, smaller_embedding(built.onnx, 5))
     stable = ServerThread(built.cache, {"cpu": built.rel})
-    canary = ServerThread(built.cache, {"cpu": refusing})
+    canary = ServerThread(tmp_path / "cache", {"cpu": refusing})
     path = tmp_path / "shadow.json"
     try:
         assert stable.wait_loaded() and canary.wait_loaded()

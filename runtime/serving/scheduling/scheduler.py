@@ -28,8 +28,7 @@ from kiln.runtime.api.spec import require_keys
 from kiln.runtime.serving.scheduling import batching
 from kiln.runtime.engine.backends.base import InvalidInputError, LoadedEngine
 from kiln.runtime.serving.metrics import ServerMetrics
-from kiln.runtime.serving.scheduling.errors import (ExecutionFailed, InputsRefused, InvalidBatch, Overloaded,
-                                                    ShuttingDown)
+from kiln.runtime.serving.scheduling.errors import ExecutionFailed, InputsRefused, InvalidBatch, Overloaded, ShuttingDown
 from kiln.runtime.serving.scheduling.pool import ContextPool, ExecutionError, Slot
 from kiln.runtime.serving.scheduling.resultcache import ResultCacheConfig
 from kiln.runtime.serving.scheduling.resultlevels import result_levels
