@@ -188,6 +188,12 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
         version = backend.version()
     except base.BackendError as e:
         raise _backend_error(e) from None
+    # Refused before the cache too: an engine built so earlier must not be handed out.
+    if backend.name == "onnxruntime" and request.target != enginekey.CPU_TARGET:
+        raise Unsupported(f"the onnxruntime backend builds and serves CPU engines only: an engine "
+                          f"for {request.target} would run on the CPU of a {request.target} node, "
+                          f"labelled {request.target}; use targets [cpu] with backend onnxruntime, "
+                          f"or backend tensorrt for a GPU")
     inputs = enginekey.key_inputs(request.model, request.engine, request.target, version)
     key, ours = inputs.key, inputs.to_dict()
     if request.key and request.key != key:

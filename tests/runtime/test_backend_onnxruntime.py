@@ -122,3 +122,24 @@ def test_spinning_from_the_environment(monkeypatch):
     monkeypatch.setenv("KILN_ORT_ALLOW_SPINNING", "yes")
     with pytest.raises(BackendError, match="KILN_ORT_ALLOW_SPINNING must be 0 or 1"):
         OnnxRuntimeBackend()
+
+
+def test_the_engine_loads_with_this_cpus_layout_optimizations():
+    """The build saves what holds on any CPU ("extended"); the load adds the transforms tied to
+    the CPU it runs on ("all": NCHWc convolutions), which a saved engine cannot carry. Issue
+    47: loaded with none, a convolution model ran at 25-45% of ONNX Runtime alone."""
+    rng = np.random.default_rng(3)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "k"], ["c"], strides=[2, 2]), helper.make_node("Relu", ["c"], ["y"])],
+        "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16, 13, 13])],
+        [numpy_helper.from_array(rng.standard_normal((16, 3, 7, 7)).astype(np.float32), "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    backend = get_backend("onnxruntime")
+    loaded = backend.load(backend.build(model.SerializeToString(), BuildOptions()), {})
+    assert (loaded.session.get_session_options().graph_optimization_level
+            == ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    x = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(loaded.create_context().run({"x": x})["y"], want, rtol=1e-4, atol=1e-4)

@@ -117,6 +117,8 @@ def closed_port():
     ("badjson", 2, "BadRequest", "precision 'fp64'"),
     ("profile", 2, "BadRequest", "model's inputs are: x"),
     ("key", 8, "KeyMismatch", "backendVersion: requested '0.0.1', builder has"),
+    ("gpu target", 6, "Unsupported", "the onnxruntime backend builds and serves CPU engines only: "
+                                     "an engine for sm90 would run on the CPU"),
 ])
 def test_failures_exit_with_their_code_and_reason(tmp_path, model, case, code, reason, text):
     req = request("pvc://models/mlp/model.onnx")
@@ -134,6 +136,8 @@ def test_failures_exit_with_their_code_and_reason(tmp_path, model, case, code, r
         req["engine"]["precision"] = "fp64"
     elif case == "profile":
         req["engine"]["profiles"][0]["input"] = "images"
+    elif case == "gpu target":  # once labelled sm90 and served on the CPU of an H100 node
+        req["target"] = "sm90"
     elif case == "key":
         from kiln.runtime.api import enginekey
         theirs = enginekey.key_inputs(req["model"], req["engine"], "cpu", "0.0.1")
