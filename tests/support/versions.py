@@ -35,6 +35,15 @@ def _scaled_initializer(model, name_of: str, change) -> None:
             init.CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init)), init.name))
 
 
+def _checked_first(graph, checks: list) -> None:
+    """`checks` (ending in `features_checked`) run first; the model's own nodes read that."""
+    original = list(graph.node)
+    for n in original:
+        n.input[:] = ["features_checked" if i == "features" else i for i in n.input]
+    del graph.node[:]
+    graph.node.extend(checks + original)
+
+
 def failing_on_real_inputs(directory: Path, version: str) -> Path:
     """A version that passes the warm-up, which sends zeros, and answers 500 to real inputs:
     the features go through a Reshape whose width is 4 when they are all zero, 5 otherwise."""
@@ -54,11 +63,7 @@ def failing_on_real_inputs(directory: Path, version: str) -> Path:
                   helper.make_node("Add", ["four", "any_i"], ["width"]),
                   helper.make_node("Concat", ["minus_one", "width"], ["shape"], axis=0),
                   helper.make_node("Reshape", ["features", "shape"], ["features_checked"])]
-        original = list(g.node)
-        for n in original:
-            n.input[:] = ["features_checked" if i == "features" else i for i in n.input]
-        del g.node[:]
-        g.node.extend(checks + original)
+        _checked_first(g, checks)
 
     return save_version(directory, version, change)
 
@@ -86,11 +91,7 @@ def refusing_real_inputs(directory: Path, version: str) -> Path:
                   helper.make_node("Gather", ["table_r", "index_r"], ["row_r"], axis=0),
                   helper.make_node("Mul", ["row_r", "zero_r"], ["nothing_r"]),
                   helper.make_node("Add", ["features", "nothing_r"], ["features_checked"])]
-        original = list(g.node)
-        for n in original:
-            n.input[:] = ["features_checked" if i == "features" else i for i in n.input]
-        del g.node[:]
-        g.node.extend(checks + original)
+        _checked_first(g, checks)
 
     return save_version(directory, version, change)
 
