@@ -5,8 +5,6 @@ not exist), and a failure says which output differs by how much."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 import pytest
 from prometheus_client import start_http_server
@@ -15,7 +13,7 @@ from kiln.operator import analysis as an
 from kiln.runtime.serving.metrics import ServerMetrics
 
 from support import monitoring
-from support.monitoring import Prometheus, static_scrape_config
+from support.monitoring import Prometheus, analysis_until, static_scrape_config
 from support.monitoring.process import free_port
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -42,14 +40,8 @@ def compare(metrics: ServerMetrics, canary: str, n: int, differ: dict[str, float
                 differ.get(output, 0.0))
 
 
-def verdict(prom: Prometheus, canary: str, want: str, timeout: float = 30.0) -> an.Outcome:
-    check = an.agreement_check({"agreement": AGREEMENT}, NS, MODEL, canary)
-    deadline = time.monotonic() + timeout
-    while True:
-        outcome = asyncio.run(an.evaluate(prom.url, [check]))
-        if outcome.result == want or time.monotonic() > deadline:
-            return outcome
-        time.sleep(0.5)
+def verdict(prom: Prometheus, canary: str, want: str) -> an.Outcome:
+    return analysis_until(prom, [an.agreement_check({"agreement": AGREEMENT}, NS, MODEL, canary)], want)
 
 
 def test_the_agreement_check_on_real_counters(tmp_path):

@@ -5,7 +5,6 @@ stable side answers fails (the version of issue 34 that was promoted)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from kiln.operator import analysis as an
 from kiln.runtime.serving.metrics import ServerMetrics
 
 from support import monitoring
-from support.monitoring import Prometheus, static_scrape_config
+from support.monitoring import Prometheus, analysis_until, static_scrape_config
 from support.monitoring.process import free_port
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -45,14 +44,8 @@ class Pod:
             self.metrics.requests.labels(MODEL, outcome).inc(n)
 
 
-def verdict(prom: Prometheus, want: str, timeout: float = 40.0) -> an.Outcome:
-    [check] = an.builtin_checks(SPEC, NS, MODEL, "canary", "stable")
-    deadline = time.monotonic() + timeout
-    while True:
-        outcome = asyncio.run(an.evaluate(prom.url, [check]))
-        if outcome.result == want or time.monotonic() > deadline:
-            return outcome
-        time.sleep(0.5)
+def verdict(prom: Prometheus, want: str) -> an.Outcome:
+    return analysis_until(prom, an.builtin_checks(SPEC, NS, MODEL, "canary", "stable"), want, timeout=40.0)
 
 
 def traffic(pods: tuple[Pod, Pod], seconds: int, stable: dict[str, int], canary: dict[str, int]) -> None:

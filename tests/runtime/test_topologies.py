@@ -137,8 +137,15 @@ def test_inputs_the_engine_refuses_are_a_400_counted_as_refused(server):
     before = server.metric("kiln_requests_total", model=NAME, outcome="refused") or 0
     status, _, doc = server.infer({"inputs": inputs})
     assert status == 400 and doc["error"].startswith("ONNX Runtime refused the inputs: "), doc
+    refused = sample(1)
+    refused["token_ids"][:] = 99
+    with tritonclient.InferenceServerClient(server.grpc_address) as client:  # the same over gRPC
+        with pytest.raises(tritonclient.InferenceServerException) as e:
+            client.infer(NAME, triton_inputs(refused))
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert e.value.message().startswith("ONNX Runtime refused the inputs: "), e.value.message()
     wait_for_metric(server.url, "kiln_requests_total", {"model": NAME, "outcome": "refused"},
-                    lambda n: n == before + 1)
+                    lambda n: n == before + 2)
 
 
 def test_grpc_unary_and_stream(server, built):

@@ -153,7 +153,7 @@ class OnnxRuntimeBackend:
 
         so = _session_options(ort, self.intra_op_threads, self.allow_spinning)
         # The build did what holds on any CPU; "all" adds this CPU's layout transforms (NCHWc
-        # convolutions): 2.3x on a convolution model here, for a millisecond of load.
+        # convolutions), which a saved engine cannot carry, for about a millisecond of load.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         try:
             session = ort.InferenceSession(bytes(engine), so, providers=["CPUExecutionProvider"])

@@ -29,8 +29,24 @@ def unavailable() -> str | None:
     return None
 
 
+def analysis_until(prom: Prometheus, checks: list, want: str, timeout: float = 30.0):
+    """The operator's canary analysis (kiln.operator.analysis.evaluate) of `checks` against
+    `prom`, again every half second until its result is `want` or `timeout` passes; the last."""
+    import asyncio
+    import time
+
+    from kiln.operator import analysis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = asyncio.run(analysis.evaluate(prom.url, checks))
+        if outcome.result == want or time.monotonic() > deadline:
+            return outcome
+        time.sleep(0.5)
+
+
 __all__ = [
-    "Alertmanager", "BINARIES", "ConfigError", "DOCUMENTED_TIMINGS", "Delivery", "HTTPError", "KILN_GROUP_BY", "KILN_MATCHER",
+    "Alertmanager", "BINARIES", "analysis_until", "ConfigError", "DOCUMENTED_TIMINGS", "Delivery", "HTTPError", "KILN_GROUP_BY", "KILN_MATCHER",
     "PodDiscovery", "Prometheus", "QueryError", "StartError", "WebhookRecorder", "alertmanager_config",
     "kiln_alertmanager_config", "kiln_receiver", "kiln_route", "missing_binaries", "operator_scrape_config",
     "pod_http_sd_scrape_config", "pod_relabel_configs", "pod_scrape_config", "static_scrape_config",
