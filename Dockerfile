@@ -32,8 +32,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1
 COPY . /src
-RUN python3 -m pip install "/src[runtime,gpu]" && rm -rf /src \
-    && python3 -c "import tensorrt; print('TensorRT', tensorrt.__version__)"
+# [gpu], not [runtime]: onnxruntime-gpu (the CUDA provider, CPU engines too) instead of the
+# CPU-only onnxruntime; both install the module `onnxruntime`.
+RUN python3 -m pip install "/src[gpu]" && rm -rf /src \
+    && python3 -c "import tensorrt; print('TensorRT', tensorrt.__version__)" \
+    && python3 -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"
 USER 65532:65532
 ENV HOME=/tmp
 EXPOSE 8080

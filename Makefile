@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Go builds the control plane (hack/build_controlplane.py); where it usually lives, if not on PATH.
 export PATH := $(PATH):/usr/local/go/bin
 
-.PHONY: demo test test-e2e bench bench-tools install tools monitoring-tools redis rules controlplane cluster cluster-down e2e-docs clean
+.PHONY: demo test test-e2e gpu bench bench-tools install tools monitoring-tools redis rules controlplane cluster cluster-down e2e-docs clean
 
 # The virtual environment with pinned test dependencies and Kiln linked in (strict
 # editable mode: `operator/` and `runtime/` map to kiln.operator and kiln.runtime).
@@ -98,6 +98,14 @@ demo: install
 
 # wrk (Debian): the serving benchmark's load generator, C and event-driven, so it leaves
 # the cores to the server it measures.
+# The GPU tier, on a machine with an NVIDIA GPU: the tests marked gpu (skipped elsewhere) and
+# the GPU benchmark (docs/benchmarks.md). GPU_PYTHON has Kiln, the test requirements and the
+# kiln-operator[gpu] extra (onnxruntime-gpu, pycuda); docs/gpu.md says how to set one up.
+GPU_PYTHON ?= $(BIN)/python
+gpu:
+	$(GPU_PYTHON) -m pytest -m gpu -p no:cacheprovider tests/runtime/test_*gpu.py $(PYTEST_ARGS)
+	$(GPU_PYTHON) -m benchmarks --only gpu
+
 bench-tools:
 	@command -v wrk >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }

@@ -48,12 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown benchmark(s) {sorted(unknown)}; available: {names}")
         names = [n for n in names if n in args.only]
 
-    sections = []
+    sections: list[str] = []
+    kept: list[str] = []  # benchmarks that did not run: their recorded sections stay
     for name in names:
         print(f"== {name}", file=sys.stderr, flush=True)
         started = time.monotonic()
         section = importlib.import_module(f"benchmarks.{name}").run(args.quick)
-        sections.append(section.strip())
+        if section is None:  # not runnable here (a GPU benchmark on a CPU machine)
+            kept.append(name)
+        else:
+            sections.append(section.strip())
         print(f"   done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 
     header = (
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "Each target is judged by a ratio against a baseline measured in the same run.\n"
     )
     output = Path(args.output)
-    if args.only and output.exists():  # replace just these sections, keep the others
+    if (args.only or kept) and output.exists():  # replace just these sections, keep the others
         sections = _merge(output.read_text(), sections)
     output.write_text(header + "\n" + "\n\n".join(sections) + "\n")
     print(f"wrote {args.output}", file=sys.stderr)

@@ -163,16 +163,23 @@ def peer_versions(peer: str, py: PeerPython) -> dict[str, str]:
 
 ORT_SESSION = '''
 def make_session(path, threads):
+    import os
     import onnxruntime as ort
 
     # Kiln's session settings: intra-op threads ONNX Runtime's default unless given,
     # inter-op 1, no spinning (Kiln's default), the default graph optimization level.
+    # PEER_PROVIDERS=CUDAExecutionProvider: the GPU benchmark's CUDA session.
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    providers = os.environ.get("PEER_PROVIDERS", "CPUExecutionProvider").split(",")
+    if "CUDAExecutionProvider" in providers:
+        ort.preload_dlls()
+    session = ort.InferenceSession(path, so, providers=providers)
+    assert session.get_providers()[0] == providers[0], session.get_providers()
+    return session
 '''
 
 MLSERVER_MODEL = ORT_SESSION + '''

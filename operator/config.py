@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-DEFAULT_BACKEND_VERSIONS = {"tensorrt": "10.13.0", "onnxruntime": "1.32.0"}
+# onnxruntime-cuda: ONNX Runtime's CUDA build, for onnxruntime engines of a GPU target (its
+# version names CUDA's too: runtime/engine/backends/onnxruntime.py).
+DEFAULT_BACKEND_VERSIONS = {"tensorrt": "10.13.0", "onnxruntime": "1.32.0",
+                            "onnxruntime-cuda": "1.31.1+cuda13.0"}
 DEFAULT_BUILDER_IMAGE = "ghcr.io/kiln-dev/kiln-runtime:0.1.0"
 DEFAULT_RUNTIME_IMAGE = "ghcr.io/kiln-dev/kiln-runtime:0.1.0"
 DEFAULT_CACHE_CLAIM = "kiln-engine-cache"
@@ -49,7 +52,10 @@ class OperatorConfig:
     # on requests in flight per pod over it; status.scaling.signal says which signal a model has.
     container_concurrency: float = 0.0
 
-    def backend_version(self, backend: str) -> str:
+    def backend_version(self, backend: str, architecture: str = "cpu") -> str:
+        """The version of `backend` that builds for `architecture`."""
+        if backend == "onnxruntime" and architecture != "cpu":
+            backend = "onnxruntime-cuda"
         try:
             return self.backend_versions[backend]
         except KeyError:

@@ -54,7 +54,6 @@ def plan_engines(spec: Mapping[str, Any], config: OperatorConfig) -> list[Engine
     """
     engine = spec.get("engine") or {}
     backend = engine.get("backend", "tensorrt")
-    version = config.backend_version(backend)
     refs: list[EngineRef] = []
     seen: set[str] = set()
     for target in targets_of(spec, config):
@@ -64,6 +63,7 @@ def plan_engines(spec: Mapping[str, Any], config: OperatorConfig) -> list[Engine
         if backend == "tensorrt" and arch == enginekey.CPU_TARGET:
             raise ValueError("backend tensorrt cannot build for target 'cpu': use backend onnxruntime")
         seen.add(arch)
+        version = config.backend_version(backend, arch)
         key = enginekey.key_inputs(spec["model"], engine, arch, version).key
         refs.append(EngineRef(key=key, target=target, architecture=arch, backend=backend, backend_version=version))
     return refs

@@ -184,16 +184,12 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     log = log or (lambda _m: None)
     started = clock()
     try:
-        backend = get_backend(request.engine["backend"])
+        backend = get_backend(request.engine["backend"], request.target)
+        # A GPU target's onnxruntime needs the CUDA provider: refused here, before the cache,
+        # where it has none (an engine built so earlier must not be handed out either).
         version = backend.version()
     except base.BackendError as e:
         raise _backend_error(e) from None
-    # Refused before the cache too: an engine built so earlier must not be handed out.
-    if backend.name == "onnxruntime" and request.target != enginekey.CPU_TARGET:
-        raise Unsupported(f"the onnxruntime backend builds and serves CPU engines only: an engine "
-                          f"for {request.target} would run on the CPU of a {request.target} node, "
-                          f"labelled {request.target}; use targets [cpu] with backend onnxruntime, "
-                          f"or backend tensorrt for a GPU")
     inputs = enginekey.key_inputs(request.model, request.engine, request.target, version)
     key, ours = inputs.key, inputs.to_dict()
     if request.key and request.key != key:
@@ -223,12 +219,12 @@ def build_engine(request: BuildRequest, cache_dir: str | os.PathLike, *,
     for debris in remove_dead_temporaries(cache_dir, request.namespace, request.name, key):
         log(f"removed {debris.name}, left by a build of this key that did not finish")
 
-    if backend.name == "tensorrt":
+    if backend.uses_gpu:
         from kiln.runtime.engine.gpu import detect_target
         here = detect_target()
         if here != request.target:
-            raise Unsupported(f"TensorRT engines are specific to the GPU architecture: this "
-                              f"builder has {here}, the request is for {request.target}; "
+            raise Unsupported(f"{backend.name} GPU engines are specific to the GPU architecture: "
+                              f"this builder has {here}, the request is for {request.target}; "
                               f"schedule the build Job on a {request.target} node")
 
     try:

@@ -247,7 +247,7 @@ class ServedModel:
         return True
 
     async def _load(self) -> None:
-        from kiln.runtime.engine.backends import get_backend
+        from kiln.runtime.engine.backends import GpuOptions, get_backend
 
         self._doing = "detecting this pod's GPU"
         detected = self._target or await on_daemon_thread("kiln-detect", detect_target)
@@ -263,7 +263,8 @@ class ServedModel:
         self._stage("read", timings.read_seconds)
         self._stage("verify", timings.verify_seconds)
 
-        backend = get_backend(manifest.backend)
+        backend = get_backend(manifest.backend, manifest.target,
+                              GpuOptions.from_runtime(self.runtime_spec))
         t = self._clock()
         self._doing = f"deserializing the {manifest.backend} engine"
         self.engine = await on_daemon_thread("kiln-engine-deserialize", backend.load,

@@ -196,6 +196,7 @@ def test_operator_deployment_is_hardened_and_configured():
         "--builder-image=registry.example.com/kiln/runtime:0.1.0-trt10.13",
         "--runtime-image=registry.example.com/kiln/runtime:0.1.0-trt10.13",
         "--backend-version=onnxruntime=1.32.0",
+        "--backend-version=onnxruntime-cuda=1.31.1+cuda13.0",
         "--backend-version=tensorrt=10.13.0",
         "--default-targets=sm80,sm89,sm90",
         "--cache-claim=kiln-engine-cache",

@@ -42,7 +42,7 @@ def test_two_targets_on_the_expected_bases():
 def test_each_target_installs_its_extras_and_runs_kiln_as_non_root():
     s = stages()
     for name, extras, entry in (("operator", "operator", '["kiln", "operator"]'),
-                                ("runtime", "runtime,gpu", '["kiln"]')):
+                                ("runtime", "gpu", '["kiln"]')):
         lines = s[name]
         assert any(f'"/src[{extras}]"' in ln and "pip install" in ln for ln in lines), name
         users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]

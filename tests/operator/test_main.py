@@ -18,7 +18,9 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_defaults():
     args = parse()
     cfg = main.config_from_args(args)
-    assert cfg.backend_versions == {"tensorrt": "10.13.0", "onnxruntime": "1.32.0"}
+    assert cfg.backend_versions == {"tensorrt": "10.13.0", "onnxruntime": "1.32.0",
+                                    "onnxruntime-cuda": "1.31.1+cuda13.0"}
+    assert cfg.backend_version("onnxruntime", "sm90") == "1.31.1+cuda13.0"
     assert cfg.default_targets == ("sm90",)
     assert cfg.cache_claim == "kiln-engine-cache"
     assert (args.liveness, args.standalone, args.peering, args.namespace) == (

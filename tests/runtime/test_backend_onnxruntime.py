@@ -60,6 +60,61 @@ def test_fp16_build_keeps_fp32_io_and_close_results():
                                rtol=2e-2, atol=2e-2)
 
 
+def scaled(factor: float) -> bytes:
+    """y = x * factor: beyond fp16's range (65504) for a large factor."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "k"], ["y"])], "scaled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        [numpy_helper.from_array(np.full((8,), factor, np.float32), "k")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_an_fp16_engine_that_strays_from_the_fp32_model_is_refused_with_the_reason():
+    backend = get_backend("onnxruntime")
+    # 1e6 is beyond fp16 (its largest value is 65504): the converter clamps the weight.
+    with pytest.raises(UnsupportedError, match=r"the fp16 engine disagrees with the fp32 model on "
+                       r"output 'y': its largest difference is 93\.\d\d% .*build it as fp32"):
+        backend.build(scaled(1e6), BuildOptions(precision="fp16"))
+    # 1.0001 rounds to 1.0 in fp16: a 0.01% difference, over a tolerance of zero, under 2%.
+    with pytest.raises(UnsupportedError, match=r"largest difference is 0\.01% of the output's "
+                       r"largest magnitude, over the tolerance of 0\.00%"):
+        backend.build(scaled(1.0001), BuildOptions(precision="fp16",
+                                                   builder_flags={"fp16Tolerance": 0}))
+    assert backend.build(scaled(1.0001), BuildOptions(precision="fp16"))
+    with pytest.raises(UnsupportedError, match="fp16Tolerance must be a number from 0 to 1"):
+        backend.build(mlp(), BuildOptions(precision="fp16", builder_flags={"fp16Tolerance": "1%"}))
+
+
+def test_a_gpu_target_without_the_cuda_provider_is_refused_not_run_on_the_cpu():
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime has the CUDA provider (the GPU tier tests it)")
+    backend = get_backend("onnxruntime", "sm90")
+    assert backend.uses_gpu and not get_backend("onnxruntime").uses_gpu
+    for call in (backend.version, lambda: backend.build(mlp(), BuildOptions()),
+                 lambda: backend.load(b"", {})):
+        with pytest.raises(UnsupportedError, match=r"has no CUDA provider: a GPU target needs "
+                           r"onnxruntime-gpu \(the kiln-operator\[gpu\] extra"):
+            call()
+
+
+@pytest.mark.parametrize("runtime, capacity, sizes", [
+    ({}, 32, (1, 2, 4, 8, 16, 32)),
+    ({"batching": {"maxBatchSize": 24}}, 24, (1, 2, 4, 8, 16, 24)),
+    ({"gpu": {"graphBatchSizes": [8, 1, 64]}}, 32, (1, 8)),
+    ({"gpu": {"cudaGraphs": False}}, 32, ()),
+])
+def test_cuda_graph_batch_sizes_follow_the_batching_and_the_setting(runtime, capacity, sizes):
+    from kiln.runtime.api.spec import runtime_with_defaults
+    from kiln.runtime.engine.backends.base import GpuOptions
+
+    options = GpuOptions.from_runtime(runtime_with_defaults(runtime))
+    assert options.max_batch == capacity and options.contexts == 2
+    assert options.graph_sizes(capacity) == sizes
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8", "bf16"])
 def test_unsupported_precisions_are_refused(precision):
     with pytest.raises(UnsupportedError, match=f"precision '{precision}' is not supported"):

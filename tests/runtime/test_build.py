@@ -117,8 +117,7 @@ def closed_port():
     ("badjson", 2, "BadRequest", "precision 'fp64'"),
     ("profile", 2, "BadRequest", "model's inputs are: x"),
     ("key", 8, "KeyMismatch", "backendVersion: requested '0.0.1', builder has"),
-    ("gpu target", 6, "Unsupported", "the onnxruntime backend builds and serves CPU engines only: "
-                                     "an engine for sm90 would run on the CPU"),
+    ("gpu target", 6, "Unsupported", "has no CUDA provider: a GPU target needs onnxruntime-gpu"),
 ])
 def test_failures_exit_with_their_code_and_reason(tmp_path, model, case, code, reason, text):
     req = request("pvc://models/mlp/model.onnx")

@@ -144,23 +144,16 @@ def test_contexts_run_batches_through_real_device_buffers(cuda):
 
     # Closing frees the device memory; a recreated context (what the pool does after a
     # failed execution) works on the same engine.
-    cuda_ctx = engine._cuda_ctx
-    cuda_ctx.push()
-    try:
-        free_before_close = cuda.mem_get_info()[0]
-    finally:
-        cuda.Context.pop()
+    with engine.device.current():
+        free_before_close = engine.device.memory()[0]
     ctx.close()
     ctx.close()
     again = engine.create_context()
     x = rng.standard_normal((5, WIDTH), dtype=np.float32)
     np.testing.assert_array_equal(again.run({"x": x})["y"], 2 * x + 1)
     again.close()
-    cuda_ctx.push()
-    try:
-        assert cuda.mem_get_info()[0] >= free_before_close
-    finally:
-        cuda.Context.pop()
+    with engine.device.current():
+        assert engine.device.memory()[0] >= free_before_close
     engine.close()
 
 

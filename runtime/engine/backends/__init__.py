@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from kiln.runtime.engine.backends.base import Backend, UnsupportedError
+from kiln.runtime.engine.backends.base import Backend, GpuOptions, UnsupportedError
 
 # name -> "module:class"; modules import their heavy libraries lazily too.
 BACKENDS = {
@@ -13,10 +13,12 @@ BACKENDS = {
 }
 
 
-def get_backend(name: str) -> Backend:
-    """The backend called `name`; UnsupportedError lists the known ones otherwise."""
-    target = BACKENDS.get(name)
-    if target is None:
+def get_backend(name: str, target: str = "cpu", gpu: GpuOptions | None = None) -> Backend:
+    """The backend called `name`, building and loading engines for `target` (cpu or a GPU
+    architecture; `gpu` says how a GPU engine uses its device); UnsupportedError lists the
+    known backends otherwise."""
+    where = BACKENDS.get(name)
+    if where is None:
         raise UnsupportedError(f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    module, cls = where.split(":")
+    return getattr(importlib.import_module(module), cls).for_target(target, gpu or GpuOptions())

@@ -71,6 +71,43 @@ class BuildOptions:
     builder_flags: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GpuOptions:
+    """How a GPU engine uses its device (spec.runtime.gpu and the batching it serves); CPU
+    engines ignore it."""
+
+    device: int = 0
+    max_batch: int | None = None  # the batcher's largest batch: device buffers are sized for it
+    contexts: int = 1  # execution contexts over the engine (each its own stream and buffers)
+    memory_limit_mib: int | None = None  # for the whole pod's engine, shared by its contexts
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = ()  # empty: powers of two up to max_batch, and max_batch
+
+    @classmethod
+    def from_runtime(cls, runtime: Mapping[str, Any]) -> "GpuOptions":
+        """From a runtime spec with its defaults applied (kiln.runtime.api.spec)."""
+        gpu = runtime.get("gpu") or {}
+        batching = runtime.get("batching") or {}
+        return cls(max_batch=batching.get("maxBatchSize") if batching.get("enabled", True) else None,
+                   contexts=int(runtime.get("contextsPerGPU") or 1),
+                   memory_limit_mib=gpu.get("memoryLimitMiB"),
+                   cuda_graphs=bool(gpu.get("cudaGraphs", True)),
+                   graph_batch_sizes=tuple(sorted(set(gpu.get("graphBatchSizes") or ()))))
+
+    def graph_sizes(self, capacity: int) -> tuple[int, ...]:
+        """The batch sizes to capture a CUDA graph for, none above `capacity`."""
+        if not self.cuda_graphs:
+            return ()
+        if self.graph_batch_sizes:
+            return tuple(b for b in self.graph_batch_sizes if b <= capacity)
+        sizes = {capacity}
+        b = 1
+        while b < capacity:
+            sizes.add(b)
+            b *= 2
+        return tuple(sorted(sizes))
+
+
 class ExecutionContext(Protocol):
     """Runs one batch at a time; used from one worker thread at a time."""
 
@@ -95,6 +132,8 @@ class LoadedEngine(Protocol):
 
 
 class Backend(Protocol):
+    """One backend for one target (`get_backend(name, target)`): its engines run there."""
+
     name: str  # "tensorrt" | "onnxruntime"
     engine_filename: str  # file name inside a cache entry, e.g. "engine.plan"
     uses_gpu: bool  # its engines run on a GPU: only then does the pod export GPU series

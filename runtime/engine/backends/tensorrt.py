@@ -32,6 +32,7 @@ from kiln.runtime.engine.backends.base import (DATATYPES, BackendError, BuildOpt
                                         InvalidInputError, InvalidModelError, ShapeRange,
                                         TensorSpec, UnsupportedError)
 from kiln.runtime.engine.backends.shapes import validate_profiles
+from kiln.runtime.engine.cuda import Device, Staged, import_cuda
 
 if TYPE_CHECKING:
     # Types only, never imported at run time. The full `tensorrt` package that runs here
@@ -89,16 +90,6 @@ def _import_trt() -> Any:
     return tensorrt
 
 
-def _import_cuda() -> Any:
-    try:
-        import pycuda.driver as cuda
-    except ImportError as e:
-        raise UnsupportedError(
-            f"the tensorrt backend needs pycuda for device buffers ({e}); install the "
-            f"kiln-operator[gpu] extra in the runtime image") from None
-    return cuda
-
-
 def make_logger(trt: Any) -> CollectingLogger:
     """A TensorRT logger that keeps warnings and errors, so failures can quote them."""
     # The base class comes from whichever module is in use (tensorrt, the lean bindings or
@@ -131,6 +122,10 @@ class TensorRTBackend:
     engine_filename = "engine.plan"
     uses_gpu = True
 
+    @classmethod
+    def for_target(cls, target: str, gpu: Any) -> "TensorRTBackend":
+        return cls(device=gpu.device)
+
     def __init__(self, trt_module: Any = None, cuda_module: Any = None, device: int = 0):
         # The modules are injectable for tests: TensorRT's builder cannot be installed in CI.
         self._trt = trt_module
@@ -146,7 +141,7 @@ class TensorRTBackend:
     @property
     def cuda(self) -> Any:
         if self._cuda is None:
-            self._cuda = _import_cuda()
+            self._cuda = import_cuda()
         return self._cuda
 
     def version(self) -> str:
@@ -224,12 +219,9 @@ class TensorRTBackend:
     # -- load ----------------------------------------------------------------------------
 
     def load(self, engine: bytes, profiles: Mapping[str, ShapeRange]) -> "TrtEngine":
-        trt, cuda = self.trt, self.cuda
-        cuda.init()
-        # The primary context is the one TensorRT's CUDA runtime calls use as well.
-        cuda_ctx = cuda.Device(self.device).retain_primary_context()
-        cuda_ctx.push()
-        try:
+        trt = self.trt
+        device = Device(self.device, self.cuda)
+        with device.current():
             logger = make_logger(trt)
             runtime_class: type[trt_types.Runtime] = trt.Runtime
             runtime = runtime_class(logger)
@@ -238,9 +230,7 @@ class TensorRTBackend:
                 raise BackendError(
                     "TensorRT could not deserialize the engine (built for another GPU "
                     "architecture or TensorRT version?): " + _errors(logger))
-            return TrtEngine(trt, cuda, cuda_ctx, runtime, cuda_engine, logger, profiles)
-        finally:
-            cuda.Context.pop()
+            return TrtEngine(trt, device, runtime, cuda_engine, logger, profiles)
 
 
 def _has_qdq(trt: Any, network: Any) -> bool:
@@ -263,10 +253,10 @@ def _dims(dims: trt_types.Dims) -> tuple[int, ...]:
 
 
 class TrtEngine:
-    def __init__(self, trt: Any, cuda: Any, cuda_ctx: Any, runtime: trt_types.Runtime,
+    def __init__(self, trt: Any, device: Device, runtime: trt_types.Runtime,
                  engine: trt_types.ICudaEngine, logger: CollectingLogger,
                  profiles: Mapping[str, ShapeRange]):
-        self._trt, self._cuda, self._cuda_ctx = trt, cuda, cuda_ctx
+        self._trt, self.device = trt, device
         self._runtime: trt_types.Runtime | None = runtime
         self.engine: trt_types.ICudaEngine | None = engine
         self._logger = logger
@@ -300,25 +290,23 @@ class TrtEngine:
 
 
 class TrtContext:
-    """One IExecutionContext with its stream and buffers; used by one thread at a time."""
+    """One IExecutionContext with its stream and staged buffers (runtime/engine/cuda.py);
+    used by one thread at a time."""
 
     def __init__(self, engine: TrtEngine):
         self._engine = engine
         if engine.engine is None:
             raise BackendError("the engine is closed")
         cuda_engine = engine.engine
-        cuda = engine._cuda
-        engine._cuda_ctx.push()
-        try:
+        self._buffers: dict[str, Staged] = {}
+        with engine.device.current():
             # TensorRT returns None on failure although its bindings declare no Optional.
             ctx = cuda_engine.create_execution_context()
             if ctx is None:
                 raise BackendError("TensorRT could not create an execution context (out of GPU "
                                    "memory?): " + _errors(engine._logger))
             self._ctx: trt_types.IExecutionContext | None = ctx
-            self._stream: Any = cuda.Stream()
-            self._host: dict[str, np.ndarray] = {}
-            self._device: dict[str, Any] = {}
+            self._stream: Any = engine.device.stream()
             # Output sizes follow from the inputs: size them at the inputs' maximum shapes.
             for spec in engine.inputs:
                 shape = engine.max_shape(spec)
@@ -331,39 +319,30 @@ class TrtContext:
                     raise UnsupportedError(f"output {spec.name!r} has a data-dependent shape "
                                            f"{shape}; Kiln needs outputs sized by their inputs")
                 self._allocate(ctx, spec.name, shape, DATATYPES[spec.datatype])
-        finally:
-            cuda.Context.pop()
 
     def _allocate(self, ctx: trt_types.IExecutionContext, name: str, shape: tuple[int, ...],
                   dtype: np.dtype) -> None:
-        cuda = self._engine._cuda
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        self._host[name] = cuda.pagelocked_empty(max(count, 1), dtype)
-        self._device[name] = cuda.mem_alloc(max(count, 1) * dtype.itemsize)
-        if not ctx.set_tensor_address(name, int(self._device[name])):
+        self._buffers[name] = buffer = self._engine.device.staged(shape, dtype)
+        if not ctx.set_tensor_address(name, buffer.pointer):
             raise BackendError(f"tensor {name!r}: TensorRT refused its device address")
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        engine, cuda, ctx = self._engine, self._engine._cuda, self._ctx
+        engine, ctx = self._engine, self._ctx
         if ctx is None:
             raise BackendError("the execution context is closed")
-        engine._cuda_ctx.push()
-        try:
+        with engine.device.current():
             for spec in engine.inputs:
                 if spec.name not in inputs:
                     raise InvalidInputError(f"missing input {spec.name!r}")
-                array = np.ascontiguousarray(inputs[spec.name], dtype=DATATYPES[spec.datatype])
-                host = self._host[spec.name]
-                if array.size > host.size:
+                array = inputs[spec.name]
+                if array.size > self._buffers[spec.name].capacity:
                     raise InvalidInputError(f"input {spec.name!r} shape {array.shape} exceeds "
                                             f"the engine's maximum {engine.max_shape(spec)}")
                 if not ctx.set_input_shape(spec.name, array.shape):
                     raise InvalidInputError(f"input {spec.name!r}: TensorRT refused shape "
                                             f"{array.shape} (profile "
                                             f"{engine.profiles.get(spec.name)})")
-                staged = host[:array.size]
-                staged[:] = array.reshape(-1)
-                cuda.memcpy_htod_async(self._device[spec.name], staged, self._stream)
+                self._buffers[spec.name].upload(spec.name, array, self._stream)
             if not ctx.execute_async_v3(self._stream.handle):
                 raise BackendError("TensorRT failed to enqueue the batch: "
                                    + _errors(engine._logger))
@@ -371,25 +350,17 @@ class TrtContext:
             for spec in engine.outputs:
                 shape = _dims(ctx.get_tensor_shape(spec.name))
                 count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-                view = self._host[spec.name][:count]
-                cuda.memcpy_dtoh_async(view, self._device[spec.name], self._stream)
-                views[spec.name] = (view, shape)
+                views[spec.name] = (self._buffers[spec.name].download(count, self._stream), shape)
             self._stream.synchronize()
             # Copies: the pinned buffers are reused by the next batch.
             return {name: view.reshape(shape).copy() for name, (view, shape) in views.items()}
-        finally:
-            cuda.Context.pop()
 
     def close(self) -> None:
         if self._ctx is None:
             return
-        self._engine._cuda_ctx.push()
-        try:
-            for buf in self._device.values():
+        with self._engine.device.current():
+            for buf in self._buffers.values():
                 buf.free()
-            self._device.clear()
-            self._host.clear()
+            self._buffers.clear()
             self._ctx = None
             self._stream = None
-        finally:
-            self._engine._cuda.Context.pop()
