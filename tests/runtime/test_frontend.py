@@ -164,10 +164,30 @@ def test_a_request_the_engine_refuses_fails_alone(built, tmp_path, kiln_process)
         assert p.stop() == 0
 
 
+def test_shared_memory_runs_never_overlap_and_what_does_not_fit_goes_inline():
+    """A hand-over larger than a slot takes adjacent slots (an image-sized tensor travels in
+    shared memory, not pickled on the socket); two runs never share a slot, which would hand
+    one request's tensors to another."""
+    from kiln.runtime.serving.workers.link import _SharedMemorySlots
+
+    slots = _SharedMemorySlots(count=8, size=1 << 20)
+    try:
+        assert slots.needed(602_112) == 1  # one 224x224 image and its answer
+        assert slots.needed(4 * 602_112) == 3 and slots.needed(8 << 20) == 0
+        a, b, c = slots.take(3), slots.take(1), slots.take(4)
+        assert (a, b, c) == (0, 3, 4) and slots.take(1) is None
+        slots.give(b)
+        assert slots.take(2) is None  # one free slot is no run of two
+        slots.give(a, 3)
+        assert slots.take(4) == 0 and slots.take(1) is None
+    finally:
+        slots.close()
+
+
 def test_what_does_not_fit_shared_memory_travels_inline(tmp_path, kiln_process):
-    """A request larger than a slot, and many at once (joined into hand-overs larger than
-    a slot, or more than a front end has slots): answered like the others, through the
-    socket."""
+    """A request larger than a slot (a run of slots in, its outputs past the room left
+    inline), and many at once (joined into hand-overs, or more than a front end has
+    slots): answered like the others."""
     width = 65536  # 256 KiB a row: a 1 MiB slot holds 2 rows in and out
     rel = build_cpu_engine(tmp_path, "mm", neg_model(width))
     runtime = {"batching": {"maxBatchSize": 512, "maxQueueDelayMicroseconds": 300_000}}

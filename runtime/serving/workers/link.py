@@ -20,6 +20,10 @@ _TALLY_PERIOD = 0.1
 # event loop for every front end) pays its per-hand-over cost once per group, not per
 # request. At low load no group is in flight and a request leaves at once.
 _GROUPS_IN_FLIGHT = 2
+# A joined group's inputs, at most: image-sized requests join a few at a time, so that a
+# group travels in shared memory (a run of slots) rather than pickled on the socket, and the
+# front end's segment holds several groups at once.
+_JOIN_BYTES = 4 * SLOT_BYTES
 _CONNECT_TIMEOUT = 30.0
 
 
@@ -31,19 +35,35 @@ class EngineGone(ShuttingDown):
 
 
 class _SharedMemorySlots:
-    """This front end's shared memory, cut into SLOTS equal slots."""
+    """This front end's shared memory, cut into SLOTS equal slots; a hand-over larger than
+    one takes a run of adjacent slots (an image-sized tensor, a joined group)."""
 
     def __init__(self, count: int = SLOTS, size: int = SLOT_BYTES):
         self.size = size
         self.shm = Segment(create=True, size=count * size)
         self.arena = np.frombuffer(self.shm.buf, np.uint8)
-        self._free = list(range(count - 1, -1, -1))
+        self._used = [False] * count
 
-    def take(self) -> int | None:
-        return self._free.pop() if self._free else None
+    def take(self, count: int = 1) -> int | None:
+        """The first of `count` adjacent free slots, now taken; None when there is no such run."""
+        run = 0
+        for i, used in enumerate(self._used):
+            run = 0 if used else run + 1
+            if run == count:
+                first = i - count + 1
+                self._used[first:i + 1] = [True] * count
+                return first
+        return None
 
-    def give(self, slot: int) -> None:
-        self._free.append(slot)
+    def give(self, first: int, count: int = 1) -> None:
+        self._used[first:first + count] = [False] * count
+
+    def needed(self, nbytes: int) -> int:
+        """Slots for `nbytes` of inputs and room for the outputs (an eighth more, at least
+        64 KiB); more than the segment has: 0 (the hand-over goes inline)."""
+        total = nbytes + max(nbytes // 8, 1 << 16)
+        count = -(-total // self.size)
+        return count if count <= len(self._used) else 0
 
     def close(self) -> None:
         self.arena = None
@@ -61,7 +81,7 @@ class EngineLink:
         self.connected = asyncio.Event()
         self.lost = asyncio.Event()
         self._channel = Channel(self._on_message, self._on_lost)
-        self._pending: dict[int, tuple[asyncio.Future, int | None]] = {}
+        self._pending: dict[int, tuple[asyncio.Future, int | None, int]] = {}
         self._next_id = 0
         self._tallies: list[tuple[str, str | None, float]] = []
         self._joining: dict[tuple, list[tuple]] = {}  # (model, signature) -> requests
@@ -97,7 +117,7 @@ class EngineLink:
         entry = self._pending.pop(message[1], None)
         if entry is None:
             return
-        future, slot = entry
+        future, slot, count = entry
         if kind == "ok":
             result: Any = unpack(self.slots.arena, message[2], copy=True)
         elif kind == "error":
@@ -105,24 +125,24 @@ class EngineLink:
         else:  # "cancelled", "metrics"
             result = message[2] if kind == "metrics" else None
         if slot is not None:
-            self.slots.give(slot)
+            self.slots.give(slot, count)
         if not future.done():
             future.set_result((kind, result))
 
     def _on_lost(self) -> None:
         self.lost.set()
         self.connected.set()  # a front end still waiting for its first state stops now
-        for future, _ in self._pending.values():
+        for future, _, _ in self._pending.values():
             if not future.done():
                 future.set_result(("gone", None))
         self._pending.clear()
 
-    def _register(self, slot: int | None) -> tuple[int, asyncio.Future]:
+    def _register(self, slot: int | None, count: int = 1) -> tuple[int, asyncio.Future]:
         if self.lost.is_set():
             raise EngineGone()
         self._next_id += 1
         future = asyncio.get_running_loop().create_future()
-        self._pending[self._next_id] = (future, slot)
+        self._pending[self._next_id] = (future, slot, count)
         return self._next_id, future
 
     async def join(self, name: str, inputs: Mapping[str, np.ndarray],
@@ -133,7 +153,8 @@ class EngineLink:
         costs the engine process what one request does."""
         future = asyncio.get_running_loop().create_future()
         key = (name, batching.signature(inputs))
-        self._joining.setdefault(key, []).append((inputs, batching.request_rows(inputs), future))
+        self._joining.setdefault(key, []).append((inputs, batching.request_rows(inputs), future,
+                                                  sum(a.nbytes for a in inputs.values())))
         self._join_rows[name] = join_rows
         self._send_soon()
         return await future
@@ -152,9 +173,11 @@ class EngineLink:
             members = [m for m in self._joining.pop(key) if not m[2].cancelled()]
             at = 0
             while at < len(members) and self._groups_in_flight.get(name, 0) < _GROUPS_IN_FLIGHT:
-                end, rows = at + 1, members[at][1]
-                while end < len(members) and rows + members[end][1] <= self._join_rows[name]:
+                end, rows, size = at + 1, members[at][1], members[at][3]
+                while end < len(members) and rows + members[end][1] <= self._join_rows[name] \
+                        and size + members[end][3] <= _JOIN_BYTES:
                     rows += members[end][1]
+                    size += members[end][3]
                     end += 1
                 self._start_group(name, members[at:end])
                 at = end
@@ -181,8 +204,8 @@ class EngineLink:
             except ValueError as e:  # as the scheduler does: never hand out another's rows
                 raise ExecutionFailed(str(e)) from None
         except asyncio.CancelledError:
-            for _, _, future in members:
-                future.cancel()
+            for member in members:
+                member[2].cancel()
             return
         except Exception as e:
             if isinstance(e, InvalidBatch) and len(members) > 1:
@@ -192,27 +215,28 @@ class EngineLink:
                     if not member[2].done():
                         self._start_group(name, [member])
                 return
-            for _, _, future in members:
-                if not future.done():
-                    future.set_exception(e)
+            for member in members:
+                if not member[2].done():
+                    member[2].set_exception(e)
             return
-        for (_, _, future), part in zip(members, parts):
-            if not future.done():
-                future.set_result(part)
+        for member, part in zip(members, parts):
+            if not member[2].done():
+                member[2].set_result(part)
 
     async def hand_over(self, name: str, inputs: Mapping[str, np.ndarray],
                          parameters: dict[str, Any], tenant: str) -> dict[str, np.ndarray]:
-        slot = self.slots.take()
+        count = self.slots.needed(sum(np.asarray(a).nbytes for a in inputs.values()))
+        slot = self.slots.take(count) if count else None
         try:
-            rid, future = self._register(slot)
+            rid, future = self._register(slot, count)
         except EngineGone:
             if slot is not None:
-                self.slots.give(slot)
+                self.slots.give(slot, count)
             raise
         if slot is None:
             arena, at, room = None, 0, 0
         else:
-            arena, at, room = self.slots.arena, slot * self.slots.size, self.slots.size
+            arena, at, room = self.slots.arena, slot * self.slots.size, count * self.slots.size
         descs, used = pack(arena, at, room, inputs)  # what inputs leave is for outputs
         self._channel.send(("infer", rid, name, descs, at + used, room - used, parameters, tenant))
         try:
