@@ -38,3 +38,39 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+class UnreadableFile(ValueError):
+    """A local file that cannot be read within its bounds, with the reason for people."""
+
+
+def read_json(path: str | os.PathLike, limit: int, what: str) -> object:
+    """The JSON document in the regular file `path`, of at most `limit` bytes of UTF-8.
+
+    Raises UnreadableFile naming `what` ("the request file") and the reason: no such file,
+    not a regular file (a FIFO would block, /dev/zero never ends), too large, not UTF-8,
+    not JSON, nested too deep or a number too long for Python's int."""
+    import json
+
+    name = f"{what} {os.fspath(path)}"
+    try:
+        with open_regular(path) as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise UnreadableFile(f"{name} does not exist") from None
+    except NotARegularFile as e:
+        raise UnreadableFile(f"{what}: {e}") from None
+    except OSError as e:
+        raise UnreadableFile(f"{name} cannot be read: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise UnreadableFile(f"{name} is larger than {limit} bytes, the limit for it")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UnreadableFile(f"{name} is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UnreadableFile(f"{name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise UnreadableFile(f"{name} nests too deeply to be a JSON document Kiln reads") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise UnreadableFile(f"{name} is refused: {e}") from None

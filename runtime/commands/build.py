@@ -61,6 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"when writable)")
 
 
+# A build request is a few KiB (a model, an engine spec, the key's inputs).
+MAX_REQUEST_BYTES = 1 << 20
+
+
 def _write_result(path: Path | None, result: dict) -> None:
     write_result(path, result, stderr_log)
 
@@ -74,15 +78,18 @@ def _failed(term: Path | None, e: BuildError) -> int:
 def run(args: argparse.Namespace) -> int:
     term = termination_log(args.termination_log)
     try:
-        try:
-            text = (Path(args.request_file).read_text() if args.request_file
-                    else args.request)
-        except OSError as e:
-            raise BadRequest(f"cannot read the request file: {e}") from None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"the request is not valid JSON: {e}") from None
+        if args.request_file:
+            from kiln.runtime.api.localfile import UnreadableFile, read_json
+
+            try:
+                raw = read_json(args.request_file, MAX_REQUEST_BYTES, "the request file")
+            except UnreadableFile as e:
+                raise BadRequest(str(e)) from None
+        else:
+            try:
+                raw = json.loads(args.request)
+            except (json.JSONDecodeError, RecursionError, ValueError) as e:
+                raise BadRequest(f"the request is not valid JSON: {type(e).__name__}: {e}") from None
         from kiln.runtime.engine.build import BuildRequest, build_engine
 
         request = BuildRequest.from_dict(raw)

@@ -83,17 +83,20 @@ def fit(result: dict[str, Any], limit: int = TERMINATION_LOG_LIMIT) -> str:
     return json.dumps({**result, **kept, "truncated": cut}, separators=(",", ":"))
 
 
+# The operator's plan lists entries by name: a few hundred bytes each.
+MAX_PLAN_BYTES = 16 << 20
+
+
 def _plan(path: str):
+    from kiln.runtime.api.localfile import UnreadableFile, read_json
     from kiln.runtime.engine.cache.gc import Plan, PlanError
 
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadRequest(f"cannot read the plan {path}: {e}") from None
+        raw = read_json(path, MAX_PLAN_BYTES, "the plan")
+    except UnreadableFile as e:
+        raise BadRequest(f"{e}; nothing removed") from None
     try:
-        return Plan.from_dict(json.loads(text))
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"the plan {path} is not valid JSON: {e}") from None
+        return Plan.from_dict(raw)
     except PlanError as e:
         raise BadRequest(f"the plan {path} is refused, nothing removed: {e}") from None
 

@@ -309,3 +309,24 @@ def test_a_fresh_engine_that_does_not_load_fails_the_build_and_the_next_build_he
     proc, healed = kiln_build(tmp_path, req)
     assert proc.returncode == 0, proc.stderr
     assert not healed["cacheHit"] and healed["quarantined"]["path"].startswith(f"ml/mlp/.quarantine-{key}-")
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for a blocking read would hang the build forever
+@pytest.mark.parametrize("kind, make, says", [
+    ("FIFO", lambda p: os.mkfifo(p), "the request file: {p} is a FIFO (named pipe), not a regular file"),
+    ("/dev/zero", lambda p: os.symlink("/dev/zero", p), "is a character device, not a regular file"),
+    ("huge", lambda p: p.write_bytes(b" " * (2 << 20)), "is larger than 1048576 bytes, the limit for it"),
+    ("not UTF-8", lambda p: p.write_bytes(b'{"name": "\xff"}'), "is not UTF-8 text (byte 10)"),
+    ("deep JSON", lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nests too deeply"),
+    ("not JSON", lambda p: p.write_text("{"), "is not valid JSON: "),
+])
+def test_a_request_file_that_cannot_be_read_is_bad_request_exit_2(tmp_path, kind, make, says):
+    path, term = tmp_path / "request.json", tmp_path / "termination-log"
+    make(path)
+    proc = subprocess.run([KILN, "build", "--request-file", str(path), "--cache-dir",
+                           str(tmp_path / "cache"), "--termination-log", str(term)],
+                          capture_output=True, text=True, timeout=50)
+    result = json.loads(term.read_text())
+    assert proc.returncode == 2, proc.stderr
+    assert result["reason"] == "BadRequest" and says.format(p=path) in result["message"], result
+    assert "Traceback" not in proc.stderr

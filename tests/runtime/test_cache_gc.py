@@ -426,3 +426,38 @@ def test_kiln_build_racing_the_executor_never_reports_a_hit_for_a_removed_entry(
         assert lookup(cache, NS, "mlp", key) is not None  # either way the key is there after
         seen.add(built["cacheHit"])
     assert seen
+
+
+HOSTILE_FILES = {
+    # name -> (how to make it at a path, what the message says)
+    "FIFO": (lambda p: os.mkfifo(p), "is a FIFO (named pipe), not a regular file"),
+    "/dev/zero": (lambda p: os.symlink("/dev/zero", p), "is a character device, not a regular file"),
+    "huge": (lambda p: p.write_bytes(b" " * (17 << 20)), "bytes, the limit for it"),
+    "deep JSON": (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nests too deeply"),
+    "long integer": (lambda p: p.write_text('{"schema": ' + "9" * 5000 + "}"), "is refused: "),
+    "not UTF-8": (lambda p: p.write_bytes(b'{"schema": "\xff"}'), "is not UTF-8 text (byte 12)"),
+}
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for a blocking read would hang the command forever
+@pytest.mark.parametrize("kind", HOSTILE_FILES)
+def test_a_plan_file_that_cannot_be_read_is_bad_request_exit_2_nothing_removed(tmp_path, kind):
+    make, says = HOSTILE_FILES[kind]
+    key = entry(tmp_path, "m", 0)
+    plan_file, term = tmp_path / "plan.json", tmp_path / "termination-log"
+    make(plan_file)
+    proc = subprocess.run([KILN, "cache-gc", "--plan", str(plan_file), "--cache-dir",
+                           str(tmp_path), "--termination-log", str(term)],
+                          capture_output=True, text=True, timeout=50)
+    result = json.loads(term.read_text())
+    assert proc.returncode == 2, proc.stderr
+    assert result["reason"] == "BadRequest" and says in result["message"], result
+    assert result["message"].startswith(f"the plan {plan_file}" if kind not in ("FIFO", "/dev/zero")
+                                         else "the plan: ")
+    assert "Traceback" not in proc.stderr and lookup(tmp_path, NS, "m", key) is not None
+
+
+def test_a_plan_with_a_namespace_longer_than_a_file_name_is_refused(tmp_path):
+    proc, result = kiln_gc(tmp_path, {**_plan_dict(), "namespace": "n" * 5000})
+    assert proc.returncode == 2 and result["reason"] == "BadRequest"
+    assert "5000 bytes, over the 255 of a file name" in result["message"], result

@@ -138,6 +138,9 @@ def path_component(value: str, what: str) -> str:
             or "/" in value or "\\" in value or "\0" in value):
         raise ValueError(f"invalid {what} {value!r} for a cache path: use a plain name "
                          f"(no '/', not starting with '.')")
+    if len(value.encode()) > 255:  # NAME_MAX: no file system makes a longer name
+        raise ValueError(f"invalid {what} for a cache path: {len(value.encode())} bytes, over "
+                         f"the 255 of a file name")
     return value
 
 
