@@ -23,6 +23,9 @@ from aiohttp import web
 from kiln.activator.holding import MAX_HELD_BYTES, Holder, Refused, Unknown
 from kiln.activator.routing import NAMESPACE_HEADER
 from kiln.activator.table import Endpoint
+from kiln.runtime.serving.refusals import HTTP_STATUS, Kind, Refusal
+from kiln.runtime.serving.rest.body import DEFAULT_BODY_TIMEOUT, read_body, too_big
+from kiln.runtime.serving.rest.connections import ConnectionLimits, Runner
 
 log = logging.getLogger("kiln.activator.rest")
 
@@ -43,9 +46,16 @@ def refused(e: Refused) -> web.Response:
 
 
 class RestProxy:
+    """The REST door, on the same HTTP server as `kiln serve`'s (`Runner`: its connection cap,
+    header and keep-alive timeouts, a client's reset logged without a traceback) and the same
+    body reader (its bound and timeout)."""
+
     def __init__(self, holder: Holder, default_namespace: str | None = None,
-                 max_body_bytes: int = MAX_HELD_BYTES) -> None:
+                 max_body_bytes: int = MAX_HELD_BYTES, limits: ConnectionLimits | None = None,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
         self.holder, self.default_namespace, self.max_body_bytes = holder, default_namespace, max_body_bytes
+        self.limits = limits or ConnectionLimits()
+        self.body_timeout = body_timeout
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self.forwarded = 0  # requests sent to a pod (each once)
@@ -64,7 +74,8 @@ class RestProxy:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=PER_POD_CONNECTIONS),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), auto_decompress=False)
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=5.0)
+        self._runner = Runner(self.app(), self.limits, access_log=None, shutdown_timeout=5.0,
+                              handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -85,10 +96,16 @@ class RestProxy:
         if key is None:
             return _json(404, {"error": f"cannot tell the namespace of model {name!r}: "
                                         f"call it by its Service name, <model>.<namespace>.svc"})
+        why = "the activator's bound on a held body (--max-body-bytes)"
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _json(413, {"error": f"the body is larger than {self.max_body_bytes} bytes"})
+            length = request.content_length
+            if length is not None and length > self.max_body_bytes:  # refused before it is read
+                raise too_big(length, self.max_body_bytes, why)
+            body = bytes(await read_body(request, self.max_body_bytes, why, self.body_timeout))
+        except Refusal as e:
+            status = HTTP_STATUS.get(e.kind, 400)
+            return _json(status, {"error": e.message},
+                         {"Connection": "close"} if e.kind in (Kind.TOO_LARGE, Kind.TIMEOUT) else None)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         for attempt in range(CONNECT_TRIES):
             try:

@@ -44,14 +44,9 @@ class UnreadableFile(ValueError):
     """A local file that cannot be read within its bounds, with the reason for people."""
 
 
-def read_json(path: str | os.PathLike, limit: int, what: str) -> object:
-    """The JSON document in the regular file `path`, of at most `limit` bytes of UTF-8.
-
-    Raises UnreadableFile naming `what` ("the request file") and the reason: no such file,
-    not a regular file (a FIFO would block, /dev/zero never ends), too large, not UTF-8,
-    not JSON, nested too deep or a number too long for Python's int."""
-    import json
-
+def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
+    """The bytes of the regular file `path`, at most `limit`; UnreadableFile naming `what`
+    and the reason otherwise (no such file, not a regular file, unreadable, too large)."""
     name = f"{what} {os.fspath(path)}"
     try:
         with open_regular(path) as f:
@@ -64,6 +59,19 @@ def read_json(path: str | os.PathLike, limit: int, what: str) -> object:
         raise UnreadableFile(f"{name} cannot be read: {e.strerror or e}") from None
     if len(data) > limit:
         raise UnreadableFile(f"{name} is larger than {limit} bytes, the limit for it")
+    return data
+
+
+def read_json(path: str | os.PathLike, limit: int, what: str) -> object:
+    """The JSON document in the regular file `path`, of at most `limit` bytes of UTF-8.
+
+    Raises UnreadableFile naming `what` ("the request file") and the reason: no such file,
+    not a regular file (a FIFO would block, /dev/zero never ends), too large, not UTF-8,
+    not JSON, nested too deep or a number too long for Python's int."""
+    import json
+
+    name = f"{what} {os.fspath(path)}"
+    data = read_bounded(path, limit, what)
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:

@@ -2,7 +2,7 @@
 
 The checks (tensors, bounds, tenancy, sequences, admission, readiness) raise `Refusal`
 with a `Kind` and a message for people; REST maps the kind to an HTTP status and gRPC to
-a status code, each from one table (`rest.server.HTTP_STATUS`, `grpc.endpoint.CODES`), so
+a status code, each from one table (`HTTP_STATUS` here, `grpc.endpoint.CODES`), so
 the same mistake gets the same answer on every door. The request's outcome in
 kiln_requests_total is the kind's too (`OUTCOME`), counted once, by the dataplane.
 """
@@ -33,6 +33,12 @@ class Kind(enum.Enum):
     OVERLOADED = "overloaded"          # full: come back after Retry-After
     UNAVAILABLE = "unavailable"        # not ready, draining, a store that does not answer
     FAILED = "failed"                  # the engine (or the server) failed
+
+
+# Each kind's HTTP status: the REST doors' one table (gRPC's: grpc.endpoint.CODES).
+HTTP_STATUS = {Kind.INVALID: 400, Kind.REFUSED: 400, Kind.NOT_FOUND: 404, Kind.TIMEOUT: 408,
+               Kind.CONFLICT: 409, Kind.TOO_LARGE: 413, Kind.UNSUPPORTED_MEDIA: 415, Kind.OVERLOADED: 429,
+               Kind.FAILED: 500, Kind.UNAVAILABLE: 503}
 
 
 # kiln_requests_total's outcome for each kind.

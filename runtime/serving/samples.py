@@ -85,6 +85,10 @@ def read_spec(warmup: Mapping[str, Any] | None, samples_file: str | None) -> War
         raise ValueError("runtime.warmup.samples must be a list")
     if not inline and not samples_file:
         return None
+    if "tolerance" not in warmup:  # `kiln serve --samples-file` alone: the CRD's default
+        from kiln.runtime.api.spec import runtime_with_defaults
+
+        warmup = runtime_with_defaults({"warmup": dict(warmup)})["warmup"]
     tolerance = Tolerance.from_spec(warmup)
     entries = [(f"spec.runtime.warmup.samples[{i}]", e) for i, e in enumerate(inline)]
     if samples_file:

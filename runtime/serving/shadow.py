@@ -50,6 +50,7 @@ SENDERS = 4  # copies in flight at once
 RELOAD_SECONDS = 1.0  # how often the config file is looked at (a stat, on the request path)
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
 MAX_TARGETS = 256
+MAX_CONFIG_BYTES = 1 << 20  # the operator writes a few hundred bytes
 _TARGET = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):([0-9]{1,5})$")
 _KEY = re.compile(r"^[a-z0-9][a-z0-9.-]{0,127}$")
 
@@ -215,11 +216,20 @@ class Shadow:
         self._stamp = stamp
         config, problem = None, ""
         if stamp is not None:
+            # The one regular-file reader: a FIFO is refused at once (a blocking open would
+            # stop the event loop), and the size is bounded. Whatever is wrong with the file,
+            # the config it replaces is dropped: nothing is copied by a config no longer there.
+            from kiln.runtime.api.localfile import UnreadableFile, read_bounded
+
             try:
-                with open(self.path, encoding="utf-8", errors="strict") as f:
-                    config = parse_config(f.read(1024 * 1024), self.model)
-            except (OSError, UnicodeDecodeError, ValueError) as e:
+                text = read_bounded(self.path, MAX_CONFIG_BYTES, "shadow config").decode("utf-8")
+                config = parse_config(text, self.model)
+            except UnreadableFile as e:
+                problem = str(e)
+            except (UnicodeDecodeError, ValueError) as e:
                 problem = f"{self.path}: {e}"
+            except RecursionError:
+                problem = f"{self.path}: the JSON nests too deeply"
         if problem and problem != self._problem:
             log.warning("shadow config ignored, nothing is copied: %s", problem)
         elif config != self.config:

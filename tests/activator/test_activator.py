@@ -383,3 +383,80 @@ def test_kiln_activator_is_a_subcommand_whose_help_needs_nothing_heavy():
     assert first == "[]"  # the command module alone imports none of them
     for flag in ("--max-queued", "--max-wait-seconds", "--http-port", "--grpc-port", "--namespace"):
         assert flag in rest
+
+
+# -- the REST door's bounds (issue 35 items 2, 3 and 5): kiln serve's HTTP server -------------
+
+async def _raw(port: int, data: bytes, wait: float) -> bytes:
+    """What the door answers to `data` within `wait` s (b"" when it closes without a word)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        async with asyncio.timeout(wait):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def door():
+    from kiln.runtime.serving.rest.connections import ConnectionLimits
+
+    table = Table()
+    table.set_activating({(NS, NAME)})
+    activated = []
+    holder = Holder(table, lambda key: activated.append(key), max_queued=10, max_wait=5)
+    proxy = RestProxy(holder, max_body_bytes=1 << 20,
+                      limits=ConnectionLimits(header_timeout=1.0), body_timeout=1.0)
+    port = await proxy.start("127.0.0.1", 0)
+    try:
+        yield port, activated
+    finally:
+        await proxy.stop()
+
+
+HEAD = (f"POST /v2/models/{NAME}/infer HTTP/1.1\r\nHost: {HOST}\r\n"
+        f"Content-Type: application/json\r\n")
+
+
+@pytest.mark.timeout(30)
+async def test_the_activator_closes_slow_headers_times_out_slow_bodies_and_refuses_big_ones_at_once(
+        door, caplog):
+    port, activated = door
+    loop = asyncio.get_running_loop()
+    # Headers trickled past the header timeout: the connection is closed, no request made.
+    started = loop.time()
+    answer = await _raw(port, HEAD.encode(), wait=10)  # TimeoutError if it is never closed
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 4"), answer[:300]
+    assert loop.time() - started < 5
+    # A body announced and never sent in full: 408 after the body timeout.
+    started = loop.time()
+    answer = await _raw(port, (HEAD + "Content-Length: 100\r\n\r\n{\"in").encode(), wait=10)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer, answer[:300]
+    assert loop.time() - started < 5
+    # A length over the bound: 413 at once, before any of the body (none is sent); the
+    # connection closes a lingering second later (ConnectionLimits.lingering_timeout).
+    started = loop.time()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write((HEAD + "Content-Length: 1073741824\r\n\r\n").encode())
+    async with asyncio.timeout(10):
+        status = await reader.readline()
+    assert status.startswith(b"HTTP/1.1 413") and loop.time() - started < 1, status
+    async with asyncio.timeout(10):
+        answer = await reader.read()
+    writer.close()
+    assert b"1073741824 bytes" in answer, answer[:300]
+    # A client that resets mid-body: no traceback in the log.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write((HEAD + "Content-Length: 100000\r\n\r\n" + "x" * 1000).encode())
+    await writer.drain()
+    sock = writer.get_extra_info("socket")
+    import socket as socketmod
+    import struct
+    sock.setsockopt(socketmod.SOL_SOCKET, socketmod.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()
+    await asyncio.sleep(1.5)
+    assert activated == []  # nothing of it reached the holder
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"], \
+        [r.getMessage() for r in caplog.records]

@@ -248,6 +248,30 @@ async def test_a_corrupted_or_foreign_value_is_a_miss_never_an_answer(engine_byt
         assert (b.runs(), b.shared("corrupt"), b.shared("hit")) == (2, 2, 0)
 
 
+@pytest.mark.parametrize("stored", [
+    {"z": -np.ones((1, WIDTH), np.float32)},  # another output's name: the engine's "y" lacking
+    {"y": -np.ones((1, WIDTH), np.float64)},  # the right name, another dtype
+    {"y": -np.ones((1, WIDTH), np.float32), "z": np.ones(1, np.float32)},  # one output too many
+], ids=["output missing", "other dtype", "output extra"])
+async def test_a_well_signed_value_that_is_not_this_engines_outputs_is_corrupt_never_a_5xx(
+        engine_bytes, redis, stored):
+    shared = {"address": redis.address, "timeoutMilliseconds": 2000}
+    async with Replica(engine_bytes, shared) as a:
+        await a.scheduler.submit(x(8))
+    [k8] = keys(redis, "*:v:*")
+    store = RedisResultStore(redis.address, key_prefix("ns", "neg"))
+    try:  # written under the key with its own digest, as a foreign writer would
+        await store._client.set(k8, resultcodec.encode(k8, stored, 1 << 20))
+    finally:
+        await store.close()
+    async with Replica(engine_bytes, shared) as b:
+        for _ in range(2):  # never kept in the pod's memory either
+            got = await b.scheduler.submit(x(8))
+            np.testing.assert_array_equal(got["y"], -x(8)["x"])
+            assert set(got) == {"y"}
+        assert (b.runs(), b.shared("corrupt"), b.shared("hit")) == (1, 1, 0)
+
+
 # -- bounds ---------------------------------------------------------------------------------
 
 async def test_a_result_above_the_entry_bound_stays_in_the_pod(engine_bytes, redis):

@@ -4,6 +4,7 @@ and two real servers over real HTTP, the stable one copying to the canary."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import time
 
@@ -212,6 +213,38 @@ def test_a_hostile_config_copies_nothing_and_serves_on(built, tmp_path):
         assert stable.infer({"inputs": json_inputs(sample(1, 0))})[0] == 200
         assert stable.model.shadow.config is None
         assert "kiln_shadow_copies_total{" not in stable.get("/metrics")[2]
+    finally:
+        stable.close()
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for a blocking read would stop the server's loop
+@pytest.mark.parametrize("hostile", ["FIFO", "deep JSON"])
+def test_a_config_replaced_by_a_fifo_or_deep_json_drops_the_old_one_and_never_blocks(
+        built, tmp_path, hostile, caplog):
+    stable = ServerThread(built.cache, {"cpu": built.rel})
+    path = tmp_path / "shadow.json"
+    path.write_text(json.dumps({"model": NAME, "canaryEngineKey": "canary-1",
+                                "targets": ["127.0.0.1:9"], "percent": 100,
+                                "maxRequestsPerSecond": 1000, "timeoutSeconds": 1}))
+    try:
+        assert stable.wait_loaded()
+        stable.model.shadow = Shadow(str(path), NAME, stable.metrics, clock=time.monotonic)
+        assert stable.infer({"inputs": json_inputs(sample(1, 0))})[0] == 200
+        assert stable.model.shadow.config is not None
+        path.unlink()
+        if hostile == "FIFO":
+            os.mkfifo(path)
+        else:
+            path.write_text("[" * 100_000 + "]" * 100_000)
+        time.sleep(1.1)  # the file is looked at once a second
+        started = time.monotonic()
+        assert stable.infer({"inputs": json_inputs(sample(1, 1))})[0] == 200
+        assert stable.get("/v2/health/live")[0] == 200 and time.monotonic() - started < 5
+        assert stable.model.shadow.config is None  # the old config dropped: nothing copied
+        says = ("is a FIFO (named pipe), not a regular file" if hostile == "FIFO"
+                else "the JSON nests too deeply")
+        assert any("shadow config ignored, nothing is copied" in r.message and says in r.message
+                   for r in caplog.records), [r.message for r in caplog.records]
     finally:
         stable.close()
 

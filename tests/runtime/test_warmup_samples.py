@@ -205,6 +205,17 @@ def test_kiln_serve_exits_with_the_reason_in_its_termination_log(demo, answers, 
         '0, expected 2; 1 of 2 value(s) differ')
 
 
+def test_kiln_serve_with_a_samples_file_alone_runs_them_at_the_default_tolerance(
+        demo, answers, tmp_path, kiln_process):
+    cache, entry = demo
+    path = write(tmp_path, json.dumps({"samples": [good_sample(answers)]}))
+    p = kiln_process(["serve", "--model-name", "iris", "--cache-dir", str(cache), "--engine",
+                      f"cpu={entry}", "--samples-file", str(path), "--host", "127.0.0.1",
+                      "--port", "0", "--no-grpc", "--workers", "1"], tmp_path)
+    p.wait_for(r"model iris: ready in .*samples", timeout=60)
+    assert p.stop() == 0
+
+
 def test_kiln_serve_refuses_a_tolerance_that_is_not_a_number(demo, tmp_path):
     cache, entry = demo
     proc = subprocess.run(

@@ -28,6 +28,8 @@ from kiln.runtime.serving.refusals import Kind, Refusal
 # Below it, decoding takes a few milliseconds and stays inline (no inter-process copy).
 OFFLOAD_JSON_BYTES = 1 << 20
 OFFLOAD_JSON_ELEMENTS = 64 * 1024
+# How long a request's body may take to arrive (408 after), unless a server is told otherwise.
+DEFAULT_BODY_TIMEOUT = 60.0
 # Bodies and answers larger than this are read and written in chunks of it.
 IO_CHUNK_BYTES = 1 << 20
 # Requests that may wait for the decoding worker; beyond, a big JSON request gets 429

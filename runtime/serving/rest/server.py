@@ -44,23 +44,18 @@ from kiln.runtime.serving import protocol, tensors
 from kiln.runtime.serving.dataplane import Dataplane
 from kiln.runtime.serving.model import Model
 from kiln.runtime.serving.protocol import HEADER_LENGTH
-from kiln.runtime.serving.refusals import (NOT_READY_RETRY_AFTER, Kind, ModelUnavailable, Refusal,
+from kiln.runtime.serving.refusals import (HTTP_STATUS, NOT_READY_RETRY_AFTER, Kind, ModelUnavailable, Refusal,
                                            cut, internal_error, overloaded)
-from kiln.runtime.serving.rest.body import (IO_CHUNK_BYTES, OFFLOAD_JSON_BYTES,
+from kiln.runtime.serving.rest.body import (DEFAULT_BODY_TIMEOUT, IO_CHUNK_BYTES, OFFLOAD_JSON_BYTES,
                                             OFFLOAD_JSON_ELEMENTS, JsonWorker, read_body, too_big,
                                             write_chunked)
 from kiln.runtime.serving.rest.connections import SERVER_HEADER, ConnectionLimits, Runner
 
 log = logging.getLogger("kiln.runtime.serving.rest.server")
 
-DEFAULT_BODY_TIMEOUT = 60.0
 # Content types `kiln dev` accepts on POST: a page in a browser can only send others
 # (text/plain, forms) without a CORS preflight, which Kiln does not answer.
 _LOCAL_CONTENT_TYPES = ("application/json", "application/octet-stream")
-# The HTTP status of each kind of refusal.
-HTTP_STATUS = {Kind.INVALID: 400, Kind.REFUSED: 400, Kind.NOT_FOUND: 404, Kind.TIMEOUT: 408,
-               Kind.CONFLICT: 409, Kind.TOO_LARGE: 413, Kind.UNSUPPORTED_MEDIA: 415, Kind.OVERLOADED: 429,
-               Kind.FAILED: 500, Kind.UNAVAILABLE: 503}
 
 
 def _retry_after(seconds: float) -> str:

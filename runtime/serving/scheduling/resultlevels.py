@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Awaitable, Callable, Mapping
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
 from kiln.runtime.api.contract import NAMESPACE_ENV
+from kiln.runtime.engine.backends.base import DATATYPES, TensorSpec
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.scheduling import resultcodec
 from kiln.runtime.serving.scheduling.resultcache import ResultCache, ResultCacheConfig
@@ -38,10 +39,12 @@ _RETRY = object()  # a coalesced computation ended without an answer (cancelled)
 
 
 def result_levels(config: ResultCacheConfig, metrics: ServerMetrics, model: str,
-                  clock: Callable[[], float], environ: Mapping[str, str]) -> "ResultLevels | None":
+                  clock: Callable[[], float], environ: Mapping[str, str],
+                  outputs: Sequence[TensorSpec] | None = None) -> "ResultLevels | None":
     """A model's result cache as configured: None when off; else the pod's memory, and the
     shared store when set (its keys under the pod's namespace and the model; its password
-    from `environ`; not connected until the first request)."""
+    from `environ`; not connected until the first request). `outputs`: the engine's output
+    names and dtypes, which a stored value must have to be used."""
     if not config.enabled:
         return None
     memory = ResultCache(config.max_bytes, config.ttl_seconds, metrics=metrics, model=model, clock=clock)
@@ -51,7 +54,8 @@ def result_levels(config: ResultCacheConfig, metrics: ServerMetrics, model: str,
     store = RedisResultStore(config.shared.address, key_prefix(namespace, model),
                              password=config.shared.password(environ), timeout=config.shared.timeout)
     return ResultLevels(memory, metrics, model, store=store, shared=config.shared, clock=clock,
-                        per_tenant=config.per_tenant)
+                        per_tenant=config.per_tenant,
+                        outputs={o.name: DATATYPES[o.datatype] for o in outputs or ()} or None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,11 +69,13 @@ class ResultLevels:
 
     def __init__(self, memory: ResultCache, metrics: ServerMetrics, model: str, *,
                  store: RedisResultStore | None = None, shared: SharedStoreConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic, per_tenant: bool = False):
+                 clock: Callable[[], float] = time.monotonic, per_tenant: bool = False,
+                 outputs: Mapping[str, np.dtype] | None = None):
         if (store is None) != (shared is None):
             raise ValueError("a shared store needs its config, and the config its store")
         self.memory = memory
         self.per_tenant = per_tenant
+        self.outputs = dict(outputs) if outputs is not None else None
         self.store = store
         self.shared = shared
         self._ttl_ms = int(memory.ttl_seconds * 1000)
@@ -143,7 +149,7 @@ class ResultLevels:
         self.circuit.succeeded()
         result = "miss"
         if value is not None:
-            found = resultcodec.decode(name.encode(), value)
+            found = self._decode(name, value)
             if found is not None:
                 self._lookups["hit"].inc()
                 return self._remember(key, found)
@@ -173,9 +179,20 @@ class ResultLevels:
                 self.circuit.failed(e)
                 return None, "unavailable"
             if value is not None:
-                found = resultcodec.decode(name.encode(), value)
+                found = self._decode(name, value)
                 return found, "corrupt" if found is None else "waited"
         return None, "miss"
+
+    def _decode(self, name: str, value: bytes) -> Outputs | None:
+        """A stored value's outputs, or None: digest or framing wrong, or not the outputs this
+        engine gives (a name missing or extra, another dtype): a value written by something
+        else under the key must never be served, nor kept."""
+        found = resultcodec.decode(name.encode(), value)
+        if found is None or self.outputs is None:
+            return found
+        if {n: a.dtype for n, a in found.items()} != self.outputs:
+            return None
+        return found
 
     async def _offer(self, store: RedisResultStore, name: str, outputs: Outputs) -> None:
         value = resultcodec.encode(name.encode(), outputs, self.shared.max_entry_bytes)

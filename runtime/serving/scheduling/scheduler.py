@@ -94,7 +94,7 @@ class Scheduler:
         self._batch_requests = self.batching.enabled and self._batchable
         self.pool = ContextPool(engine, spec["contextsPerGPU"], metrics, model,
                                 version=version, max_retries=MAX_RETRIES, unhealthy_after=UNHEALTHY_AFTER, clock=clock)
-        self.results = result_levels(cache_config, metrics, model, clock, environ)
+        self.results = result_levels(cache_config, metrics, model, clock, environ, engine.outputs)
         self.result_cache = self.results.memory if self.results is not None else None
 
         self._m_queue_seconds = metrics.queue_seconds.labels(model)
