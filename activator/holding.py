@@ -85,6 +85,16 @@ class Holder:
     def held(self, key: Key) -> int:
         return self._models[key].held if key in self._models else 0
 
+    def refusal(self, key: Key) -> Refused | None:
+        """Refused when a request for `key` would find the model's queue full now: checked
+        before its body is read, so a full queue costs a refusal no body's memory
+        (`endpoint` checks again once it is read)."""
+        model = self._models.get(key)
+        if self.table.ready(key) or model is None or model.held < self.max_queued:
+            return None
+        return Refused(f"{key[0]}/{key[1]} is starting and {model.held} requests are already held "
+                       f"(at most {self.max_queued}); retry later")
+
     async def endpoint(self, key: Key) -> Endpoint:
         """A Ready pod of the model, once there is one; raises Refused past the bounds."""
         ready = self.table.ready(key)
@@ -94,10 +104,10 @@ class Holder:
             # The name and namespace come from the request: only a model whose Service points
             # here is held and scaled, so no caller can wake (or fill memory with) any other.
             raise Unknown(f"model {key[0]}/{key[1]} is not one the activator holds requests for")
+        full = self.refusal(key)
+        if full is not None:
+            raise full
         model = self._models.setdefault(key, _Model())
-        if model.held >= self.max_queued:
-            raise Refused(f"{key[0]}/{key[1]} is starting and {model.held} requests are already held "
-                          f"(at most {self.max_queued}); retry later")
         model.held += 1
         try:
             self._start_activation(key, model)

@@ -96,6 +96,9 @@ class RestProxy:
         if key is None:
             return _json(404, {"error": f"cannot tell the namespace of model {name!r}: "
                                         f"call it by its Service name, <model>.<namespace>.svc"})
+        full = self.holder.refusal(key)
+        if full is not None:  # before the body: a full queue must not fill memory with bodies
+            return refused(full)
         why = "the activator's bound on a held body (--max-body-bytes)"
         try:
             length = request.content_length

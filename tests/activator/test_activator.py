@@ -460,3 +460,32 @@ async def test_the_activator_closes_slow_headers_times_out_slow_bodies_and_refus
     assert activated == []  # nothing of it reached the holder
     assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"], \
         [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.timeout(30)
+async def test_a_full_queue_is_refused_before_the_body_is_read():
+    table = Table()
+    table.set_activating({(NS, NAME)})
+    holder = Holder(table, lambda key: None, max_queued=1, max_wait=10)
+    proxy = RestProxy(holder, max_body_bytes=8 << 20)
+    port = await proxy.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(post(session, f"http://127.0.0.1:{port}", infer_doc(1)[0]))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while holder.held((NS, NAME)) < 1:  # the first is held: the queue is full
+                assert loop.time() < deadline
+                await asyncio.sleep(0.02)
+            # 4 MiB announced, none of it sent: refused at once, the body never waited for.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write((HEAD + f"Content-Length: {4 << 20}\r\n\r\n").encode())
+            started = loop.time()
+            async with asyncio.timeout(5):
+                status = await reader.readline()
+            writer.close()
+            assert status.startswith(b"HTTP/1.1 503") and loop.time() - started < 1, status
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+    finally:
+        await proxy.stop()
